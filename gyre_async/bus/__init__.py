@@ -1,0 +1,13 @@
+"""Event bus: one interface (``Bus``), two real backends chosen by URL.
+
+- ``sqlite:///path/to/events.db`` (or a bare path): the embedded default, no server.
+- ``kafka://host:port[,host:port]?security_protocol=SSL&...``: aiokafka on a Kafka cluster.
+"""
+
+from .base import Bus, BusError, Consumer, MessageTooLarge, Record, TopicInfo, partition_for
+from .url import open_bus
+
+__all__ = [
+    "Bus", "BusError", "Consumer", "MessageTooLarge", "Record", "TopicInfo", "open_bus",
+    "partition_for",
+]

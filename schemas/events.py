@@ -1,0 +1,257 @@
+"""Wire events: the only contract between Gyre's actors.
+
+Every event is a frozen msgspec Struct on one base, :class:`Event`, that carries the common
+envelope and sets the type tag (``type`` on the wire). Events evolve by adding defaulted
+fields only; a breaking change is a new tag. Unknown fields are ignored on decode, so an old
+reader keeps working against a newer producer that only added fields, while a newer
+``schema_version`` than this build understands is rejected at decode (see ``codec.py``).
+
+Constraints (non-negative indices, finite floats, bounded sizes) are checked in
+``__post_init__`` so a bad message fails at decode, with the field named.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from typing import Literal
+
+import msgspec
+
+#: Highest schema version this build reads. Producers stamp it on every event.
+SCHEMA_VERSION = 1
+
+#: Upper bounds that keep any one event small (large arrays live in Zarr, not on the bus).
+MAX_TOKENS_PER_STEP = 8192
+MAX_TEXT_CHARS = 16384
+
+
+def event_id(*parts: object) -> str:
+    """Deterministic id from an event's natural identity (same input -> same id).
+
+    Handlers are idempotent by this id: an event re-emitted after a crash carries the same
+    id as the first copy, so consumers can drop the duplicate.
+    """
+    h = hashlib.blake2b(digest_size=16)
+    for p in parts:
+        h.update(str(p).encode())
+        h.update(b"\x1f")
+    return h.hexdigest()
+
+
+def _finite(name: str, *values: float) -> None:
+    for v in values:
+        if not math.isfinite(v):
+            raise ValueError(f"{name} must be finite, got {v!r}")
+
+
+def _non_negative(name: str, value: int) -> None:
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+
+
+class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", tag=True):
+    """Common envelope of every event.
+
+    ``event_id`` is deterministic (see :func:`event_id`); ``key`` chooses the partition
+    (trajectory id for trajectory data, so one trajectory's events stay in order).
+    """
+
+    event_id: str
+    run_id: str
+    producer: str
+    key: str = ""
+    schema_version: int = SCHEMA_VERSION
+    ts: float = msgspec.field(default_factory=time.time)
+
+
+class Milestone(msgspec.Struct, frozen=True, kw_only=True):
+    """A sub-task reached, as proven by environment state (never by the agent's words)."""
+
+    name: str
+    proof: str  # the state fact that proves it, e.g. "inventory.axe=1"
+
+
+class TrajectoryStep(Event, tag="trajectory-step", frozen=True, kw_only=True):
+    """One agent step: what the policy saw and did, and what the environment answered."""
+
+    trajectory_id: str
+    task_id: str
+    step_index: int
+    policy_version: int
+    context_tokens: list[int]
+    action_tokens: list[int]
+    action_logprobs: list[float]
+    action_text: str = ""
+    observation_ref: str = ""
+    feedback: float = 0.0
+    milestones: list[Milestone] = []
+    state_changed: bool = False
+    tool_latency_s: float = 0.0
+    done: bool = False
+    truncated: bool = False
+    success: bool = False
+    score: float = 0.0
+    next_context_tokens: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        _non_negative("step_index", self.step_index)
+        _non_negative("policy_version", self.policy_version)
+        if len(self.action_tokens) != len(self.action_logprobs):
+            raise ValueError("action_tokens and action_logprobs must have the same length")
+        if len(self.context_tokens) + len(self.action_tokens) > MAX_TOKENS_PER_STEP:
+            raise ValueError(f"step carries more than {MAX_TOKENS_PER_STEP} tokens")
+        if len(self.action_text) > MAX_TEXT_CHARS:
+            raise ValueError(f"action_text longer than {MAX_TEXT_CHARS} characters")
+        _finite("action_logprobs", *self.action_logprobs)
+        _finite("feedback", self.feedback, self.tool_latency_s, self.score)
+        if any(lp > 1e-4 for lp in self.action_logprobs):
+            raise ValueError("action_logprobs must be <= 0")
+
+
+class EnvError(Event, tag="env-error", frozen=True, kw_only=True):
+    """An environment failed (exception, timeout): its trajectory ends truncated."""
+
+    trajectory_id: str
+    task_id: str
+    step_index: int
+    kind: Literal["timeout", "exception", "oversized-observation"]
+    message: str
+
+    def __post_init__(self) -> None:
+        _non_negative("step_index", self.step_index)
+
+
+BoundaryReason = Literal["milestone", "state-change", "max-length", "trajectory-end"]
+
+
+class SegmentClosed(Event, tag="segment-closed", frozen=True, kw_only=True):
+    """A training segment was written to the segment store and is ready to score."""
+
+    segment_id: str
+    trajectory_id: str
+    task_id: str
+    step_start: int
+    step_end: int  # exclusive
+    boundary: BoundaryReason
+    address: str
+    content_hash: str
+    min_policy_version: int
+    max_policy_version: int
+    trajectory_done: bool = False
+    success: bool = False
+    milestones: list[Milestone] = []
+    feedback: list[float] = []  # per-step raw environment feedback
+
+    def __post_init__(self) -> None:
+        _non_negative("step_start", self.step_start)
+        if self.step_end <= self.step_start:
+            raise ValueError("step_end must be > step_start")
+        if len(self.feedback) not in (0, self.step_end - self.step_start):
+            raise ValueError("feedback must have one value per step")
+        _finite("feedback", *self.feedback)
+
+
+class Scored(Event, tag="scored", frozen=True, kw_only=True):
+    """The arbiter's verdict on one segment: every component and the arbitrated total."""
+
+    segment_id: str
+    trajectory_id: str
+    task_id: str
+    address: str
+    content_hash: str
+    step_start: int
+    step_end: int
+    min_policy_version: int
+    trajectory_done: bool
+    success: bool
+    components: dict[str, float]
+    step_rewards: list[float]
+    total: float
+    decided_by: str
+
+    def __post_init__(self) -> None:
+        if len(self.step_rewards) != self.step_end - self.step_start:
+            raise ValueError("step_rewards must have one value per step")
+        _finite("components", *self.components.values())
+        _finite("step_rewards", *self.step_rewards)
+        _finite("total", self.total)
+
+
+class RewardFailed(Event, tag="reward-failed", frozen=True, kw_only=True):
+    """A reward component could not be computed; never stands in as a zero."""
+
+    segment_id: str
+    component: str
+    reason: str
+
+
+class PolicyVersion(Event, tag="policy-version", frozen=True, kw_only=True):
+    """A new policy to act with: where its weights are and why it exists."""
+
+    version: int
+    checkpoint: str
+    checkpoint_hash: str
+    parent: int | None = None
+    reason: Literal["init", "update", "rollback", "warmstart"] = "update"
+    learning_rate: float = 0.0
+    env_steps: int = 0
+    metrics: dict[str, float] = {}
+
+    def __post_init__(self) -> None:
+        _non_negative("version", self.version)
+        _finite("metrics", self.learning_rate, *self.metrics.values())
+
+
+class SegmentDropped(Event, tag="segment-dropped", frozen=True, kw_only=True):
+    """The learner refused a segment (too stale); counted, never silently lost."""
+
+    segment_id: str
+    reason: str
+    staleness: int
+
+
+class EvalResult(Event, tag="eval-result", frozen=True, kw_only=True):
+    """Validation of one policy version on a fixed set of unseen tasks."""
+
+    policy_version: int
+    episodes: int
+    success_rate: float
+    mean_score: float
+    mean_length: float
+    milestone_rates: dict[str, float] = {}
+    env_steps: int = 0
+
+
+class Heartbeat(Event, tag="heartbeat", frozen=True, kw_only=True):
+    """An actor is alive; carries its progress and consumer lag."""
+
+    actor: str
+    role: str
+    processed: int
+    lag: int
+    in_flight: int
+    uptime_s: float
+    stats: dict[str, float] = {}
+
+
+class DeadLetter(Event, tag="dead-letter", frozen=True, kw_only=True):
+    """Input an actor could not use, kept with the reason and the original bytes."""
+
+    actor: str
+    source_topic: str
+    source_partition: int
+    source_offset: int
+    reason: str
+    original: bytes
+
+
+class Probe(Event, tag="probe", frozen=True, kw_only=True):
+    """Diagnostic event for bus and runtime checks (the echo actor answers it)."""
+
+    seq: int
+    payload: str = ""
+
+    def __post_init__(self) -> None:
+        _non_negative("seq", self.seq)

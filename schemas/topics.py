@@ -1,0 +1,44 @@
+"""Topics and the union of events each one carries (one union per topic)."""
+
+from __future__ import annotations
+
+from typing import Union
+
+from .events import (
+    DeadLetter,
+    EnvError,
+    EvalResult,
+    Heartbeat,
+    PolicyVersion,
+    Probe,
+    RewardFailed,
+    Scored,
+    SegmentClosed,
+    SegmentDropped,
+    TrajectoryStep,
+)
+
+TRAJECTORY_STEP = "trajectory-step"
+SEGMENT_CLOSED = "segment-closed"
+SCORED = "scored"
+POLICY_VERSION = "policy-version"
+EVAL = "eval"
+TELEMETRY = "telemetry"
+DEAD_LETTER = "dead-letter"
+PROBE_IN = "probe-in"
+PROBE_OUT = "probe-out"
+
+#: topic -> the union of event types it carries. Adding a topic here is all a new topic needs.
+TOPIC_UNIONS: dict[str, object] = {
+    TRAJECTORY_STEP: Union[TrajectoryStep, EnvError],
+    SEGMENT_CLOSED: SegmentClosed,
+    SCORED: Union[Scored, RewardFailed],
+    POLICY_VERSION: PolicyVersion,
+    EVAL: EvalResult,
+    TELEMETRY: Union[Heartbeat, SegmentDropped],
+    DEAD_LETTER: DeadLetter,
+    PROBE_IN: Probe,
+    PROBE_OUT: Probe,
+}
+
+ALL_TOPICS: tuple[str, ...] = tuple(TOPIC_UNIONS)

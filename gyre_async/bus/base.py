@@ -138,6 +138,16 @@ class Bus(abc.ABC):
         or at the end.
         """
 
+    async def reader(self, topics: Sequence[str]) -> Consumer:
+        """A consumer of every partition of ``topics`` outside any group (replay, tail).
+
+        It never commits. Backends override this with manual assignment; the fallback joins
+        a fresh single-member group.
+        """
+        import uuid
+
+        return await self.consumer(f"gyre-reader-{uuid.uuid4().hex[:12]}", topics)
+
     @abc.abstractmethod
     async def topics(self) -> list[TopicInfo]:
         """All topics with their partition count and end offsets."""
@@ -145,6 +155,25 @@ class Bus(abc.ABC):
     @abc.abstractmethod
     async def committed(self, group: str, topic: str) -> dict[int, int]:
         """Committed next-offset per partition of ``topic`` for ``group`` (absent = none)."""
+
+    #: True when ``publish_and_commit`` writes outputs and offsets in one transaction.
+    atomic_commit: bool = False
+
+    async def publish_and_commit(
+        self,
+        batches: Sequence[tuple[str, Sequence[tuple[bytes | None, bytes]]]],
+        consumer: Consumer | None = None,
+        offsets: Mapping[TopicPartition, int] | None = None,
+    ) -> None:
+        """Publish every batch durably, then commit ``offsets`` (at-least-once).
+
+        Backends that can do both in one transaction override this (``atomic_commit``).
+        """
+        for topic, messages in batches:
+            if messages:
+                await self.publish(topic, messages)
+        if offsets and consumer is not None:
+            await consumer.commit(offsets)
 
     async def lag(self, group: str, topics: Sequence[str]) -> int:
         """Records written but not yet committed by ``group`` across ``topics``."""

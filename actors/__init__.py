@@ -1,0 +1,1 @@
+"""One module per role; each is a thin adapter over a pure core."""

@@ -1,0 +1,313 @@
+"""Actor runtime: consume -> decode -> handle -> emit, with the delivery guarantees of Gyre.
+
+An :class:`Actor` is a thin adapter: it declares the topics it ``consumes`` and ``emits``
+and turns one decoded event into zero or more output events (``handle``). Everything else
+lives here, once, for every role:
+
+- **at-least-once, commit after outputs**: a batch's outputs are published durably before
+  the batch's input offsets are committed (on the embedded bus both go in one transaction);
+- **idempotency by event id**: outputs carry ids derived from their inputs, and inputs
+  already handled in this process are skipped, so redelivery never double-counts;
+- **bad input never stops an actor**: undecodable bytes, unknown schema versions, oversized
+  events, failing constraints and non-retriable handler errors go to ``dead-letter`` with
+  the reason and the original bytes; retriable errors are retried with backoff, and if they
+  persist the actor crashes loudly so its supervisor restarts it from the committed offset;
+- **backpressure**: at most ``max_in_flight`` records are fetched per batch, and an actor can
+  hold consumption with ``ready()`` (e.g. the learner while it trains);
+- **heartbeats** with lag and counters on ``telemetry``; graceful stop on SIGTERM.
+
+Actors that also *produce* on their own (the sampler) override ``produce``: it runs beside
+the consume loop and publishes through :meth:`ActorRunner.emit`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+import structlog
+
+from schemas import DecodeError, Event, decode, encode, event_id
+from schemas.events import DeadLetter, Heartbeat
+from schemas.topics import DEAD_LETTER, TELEMETRY
+
+from .bus import Bus, Record
+from .errors import is_retriable
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class Emit:
+    """One output: an event for a topic."""
+
+    topic: str
+    event: Event
+
+
+class Actor:
+    """Base class of every role. Subclasses set ``role``, ``consumes``, ``emits``."""
+
+    role: ClassVar[str] = "actor"
+    consumes: ClassVar[tuple[str, ...]] = ()
+    emits: ClassVar[tuple[str, ...]] = ()
+
+    runner: ActorRunner
+
+    async def on_start(self) -> None:
+        """Called once before consuming (e.g. rebuild state from the bus)."""
+
+    async def on_stop(self) -> None:
+        """Called once after the last batch was committed."""
+
+    async def handle(self, event: Event, record: Record) -> Sequence[Emit]:
+        """Turn one input event into outputs. Raise to dead-letter (or retry if retriable)."""
+        return ()
+
+    async def after_batch(self) -> Sequence[Emit]:
+        """Outputs that depend on a whole batch (published with it, before its commit)."""
+        return ()
+
+    async def ready(self) -> None:
+        """Wait here to hold consumption (backpressure); the default never waits."""
+
+    async def produce(self) -> None:
+        """Optional source loop run beside consumption; publish with ``self.runner.emit``."""
+
+    def commit_floor(self) -> dict[tuple[str, int], int]:
+        """Per-partition offsets the actor still needs re-delivered after a crash.
+
+        Stateful actors that keep partial state in memory (open segments) return the offset
+        of the oldest record that state depends on; the runtime never commits past it.
+        """
+        return {}
+
+    def stats(self) -> dict[str, float]:
+        """Counters for the heartbeat."""
+        return {}
+
+
+class ActorRunner:
+    """Runs one actor against one bus until stopped."""
+
+    def __init__(
+        self,
+        actor: Actor,
+        bus: Bus,
+        *,
+        run_id: str,
+        name: str | None = None,
+        group: str | None = None,
+        max_in_flight: int = 512,
+        heartbeat_s: float = 5.0,
+        max_retries: int = 5,
+        retry_base_s: float = 0.05,
+        fetch_timeout_s: float = 0.2,
+        from_beginning: bool = True,
+        partitions: int = 4,
+    ):
+        self.actor = actor
+        self.bus = bus
+        self.run_id = run_id
+        self.name = name or actor.role
+        self.group = group or f"{run_id}.{actor.role}"
+        self.max_in_flight = max_in_flight
+        self.heartbeat_s = heartbeat_s
+        self.max_retries = max_retries
+        self.retry_base_s = retry_base_s
+        self.fetch_timeout_s = fetch_timeout_s
+        self.from_beginning = from_beginning
+        self.partitions = partitions
+        self.stopping = asyncio.Event()
+        self.processed = 0
+        self.dead_letters = 0
+        self.duplicates = 0
+        self._seen: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._seen_cap = 200_000
+        self._started = time.monotonic()
+        self._hb_seq = 0
+        self._consumer = None
+        self.log = log.bind(run_id=run_id, actor=self.name)
+        actor.runner = self
+
+    # -- public ------------------------------------------------------------------------------
+    def stop(self) -> None:
+        self.stopping.set()
+
+    async def emit(self, outputs: Sequence[Emit]) -> None:
+        """Publish outputs now (durable on return); for ``produce`` loops."""
+        await self.bus.publish_and_commit(self._batches(outputs))
+
+    async def sleep(self, seconds: float) -> bool:
+        """Stop-aware sleep: returns True if the actor is stopping."""
+        try:
+            await asyncio.wait_for(self.stopping.wait(), timeout=seconds)
+        except asyncio.TimeoutError:
+            return False
+        return True
+
+    async def run(self) -> None:
+        await self.bus.create_topics(set(self.actor.consumes) | set(self.actor.emits)
+                                     | {DEAD_LETTER, TELEMETRY}, self.partitions)
+        await self.actor.on_start()
+        self.log.info("actor.started", role=self.actor.role, consumes=self.actor.consumes)
+        tasks = [asyncio.create_task(self._heartbeat_loop(), name=f"{self.name}-heartbeat")]
+        if type(self.actor).produce is not Actor.produce:
+            tasks.append(asyncio.create_task(self._produce(), name=f"{self.name}-produce"))
+        if self.actor.consumes:
+            tasks.append(asyncio.create_task(self._consume_loop(), name=f"{self.name}-consume"))
+        try:
+            # Any task failing crashes the actor loudly (a supervisor restarts it).
+            stop_wait = asyncio.create_task(self.stopping.wait())
+            done, _ = await asyncio.wait(
+                [*tasks, stop_wait], return_when=asyncio.FIRST_COMPLETED
+            )
+            for task in done:
+                if task is not stop_wait and task.exception() is not None:
+                    raise task.exception()  # type: ignore[misc]
+            self.stopping.set()
+            await asyncio.gather(*tasks, return_exceptions=False)
+        finally:
+            self.stopping.set()
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            if self._consumer is not None:
+                await self._consumer.close()
+            await self.actor.on_stop()
+            await self._send_heartbeat()
+            self.log.info("actor.stopped", processed=self.processed,
+                          dead_letters=self.dead_letters)
+
+    # -- internals -----------------------------------------------------------------------------
+    async def _produce(self) -> None:
+        await self.actor.produce()
+        await self.stopping.wait()
+
+    async def _consume_loop(self) -> None:
+        self._consumer = await self.bus.consumer(
+            self.group, self.actor.consumes, from_beginning=self.from_beginning
+        )
+        while not self.stopping.is_set():
+            await self.actor.ready()
+            records = await self._consumer.fetch(self.max_in_flight, self.fetch_timeout_s)
+            if not records:
+                outputs = list(await self.actor.after_batch())
+                if outputs:
+                    await self.emit(outputs)
+                continue
+            outputs: list[Emit] = []
+            next_offsets: dict[tuple[str, int], int] = {}
+            for record in records:
+                outputs.extend(await self._process(record))
+                next_offsets[(record.topic, record.partition)] = record.offset + 1
+            outputs.extend(await self.actor.after_batch())
+            floor = self.actor.commit_floor()
+            for tp, floor_offset in floor.items():
+                if tp in next_offsets:
+                    next_offsets[tp] = min(next_offsets[tp], floor_offset)
+            await self._publish_with_retry(outputs, next_offsets)
+
+    async def _publish_with_retry(self, outputs: list[Emit], offsets: dict) -> None:
+        batches = self._batches(outputs)
+        for attempt in range(self.max_retries + 1):
+            try:
+                await self.bus.publish_and_commit(batches, self._consumer, offsets)
+                return
+            except Exception as exc:
+                if not is_retriable(exc) or attempt == self.max_retries:
+                    raise
+                self.log.warning("bus.retry", attempt=attempt, error=str(exc))
+                await asyncio.sleep(self.retry_base_s * 2**attempt)
+
+    async def _process(self, record: Record) -> list[Emit]:
+        try:
+            event = decode(record.topic, record.value, self.bus.max_message_bytes)
+        except DecodeError as exc:
+            return [self._dead_letter(record, exc.reason)]
+        if event.event_id in self._seen:
+            self.duplicates += 1
+            return []
+        for attempt in range(self.max_retries + 1):
+            try:
+                outputs = list(await self.actor.handle(event, record))
+                break
+            except Exception as exc:  # noqa: BLE001 - routed by `retriable`
+                if not is_retriable(exc):
+                    self.log.warning("handler.failed", event_id=event.event_id, error=repr(exc))
+                    return [self._dead_letter(record, f"handler error: {exc!r}")]
+                if attempt == self.max_retries:
+                    raise
+                await asyncio.sleep(self.retry_base_s * 2**attempt)
+        self._remember(event.event_id)
+        self.processed += 1
+        return outputs
+
+    def _remember(self, eid: str) -> None:
+        self._seen[eid] = None
+        if len(self._seen) > self._seen_cap:
+            self._seen.popitem(last=False)
+
+    def _dead_letter(self, record: Record, reason: str) -> Emit:
+        self.dead_letters += 1
+        self.log.warning("dead_letter", topic=record.topic, offset=record.offset, reason=reason)
+        return Emit(
+            DEAD_LETTER,
+            DeadLetter(
+                event_id=event_id("dead-letter", record.topic, record.partition,
+                                  record.offset, self.name),
+                run_id=self.run_id,
+                producer=self.name,
+                key=record.key.decode(errors="replace") if record.key else "",
+                actor=self.name,
+                source_topic=record.topic,
+                source_partition=record.partition,
+                source_offset=record.offset,
+                reason=reason,
+                original=record.value[: self.bus.max_message_bytes // 2],
+            ),
+        )
+
+    def _batches(self, outputs: Sequence[Emit]) -> list[tuple[str, list]]:
+        by_topic: dict[str, list] = {}
+        for out in outputs:
+            key = out.event.key.encode() if out.event.key else None
+            by_topic.setdefault(out.topic, []).append((key, encode(out.event)))
+        return list(by_topic.items())
+
+    async def _heartbeat_loop(self) -> None:
+        while not await self.sleep(self.heartbeat_s):
+            await self._send_heartbeat()
+
+    async def _send_heartbeat(self) -> None:
+        lag = 0
+        if self.actor.consumes:
+            try:
+                lag = await self.bus.lag(self.group, self.actor.consumes)
+            except Exception as exc:  # noqa: BLE001 - a heartbeat must not kill the actor
+                self.log.warning("heartbeat.lag_failed", error=str(exc))
+                lag = -1
+        self._hb_seq += 1
+        stats = {"dead_letters": float(self.dead_letters), "duplicates": float(self.duplicates)}
+        stats.update(self.actor.stats())
+        hb = Heartbeat(
+            event_id=event_id("heartbeat", self.run_id, self.name, id(self), self._hb_seq),
+            run_id=self.run_id,
+            producer=self.name,
+            key=self.name,
+            actor=self.name,
+            role=self.actor.role,
+            processed=self.processed,
+            lag=max(lag, 0),
+            in_flight=0,
+            uptime_s=time.monotonic() - self._started,
+            stats=stats,
+        )
+        try:
+            await self.bus.publish_and_commit([(TELEMETRY, [(hb.key.encode(), encode(hb))])])
+        except Exception as exc:  # noqa: BLE001
+            self.log.warning("heartbeat.publish_failed", error=str(exc))

@@ -1,0 +1,235 @@
+"""``gyre``: run the loop, run one role per process, and watch or audit a run's event log."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import sys
+
+from schemas import DecodeError, decode, to_builtins
+from schemas.topics import ALL_TOPICS
+
+from .bus import open_bus
+from .config import bus_url, load_config
+from .errors import ConfigError
+from .logs import configure_logging
+
+EPILOG = """\
+bus URLs: sqlite:///runs/x/events.db (embedded, default: <run_dir>/events.db) or
+kafka://host:port[,host:port][?security_protocol=SASL_SSL&sasl_mechanism=PLAIN&...].
+$GYRE_BUS sets a default bus URL for every command.
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="gyre",
+        description="Gyre: online RL for LLM agents on very long tasks, as an event-sourced "
+        "actor system. Every role consumes and emits events on a bus; every run is a "
+        "replayable event log.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--log-level", default="WARNING", help="structlog level (default WARNING)")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    run = sub.add_parser("run", help="train: all roles in one process on the embedded bus",
+                         description="Run the whole loop (sampler, segmenter, arbiter, "
+                         "learner, evaluator) in one process, with a live progress display. "
+                         "Writes the event log, segment store, checkpoints, metrics.jsonl, "
+                         "a learning-curve PNG and summary.json into the run directory.")
+    run.add_argument("config", help="TOML config, e.g. ops/configs/quickstart.toml")
+    run.add_argument("--run-dir", help="override run.run_dir")
+    run.add_argument("--bus", help="bus URL (default: embedded log in the run directory)")
+    run.add_argument("--no-progress", action="store_true", help="plain log lines, no live bar")
+
+    actor = sub.add_parser("actor", help="run one role in this process (one process per role)",
+                           description="Run a single role until SIGTERM. Start one process "
+                           "per role, on one machine (embedded bus) or many (Kafka).")
+    actor.add_argument("role", help="sampler, segmenter, arbiter, learner, evaluator, echo, ...")
+    actor.add_argument("--config", required=True, help="TOML config file")
+    actor.add_argument("--bus", help="bus URL (default: config bus.url or the embedded log)")
+    actor.add_argument("--name", help="actor name (default: the role)")
+    actor.add_argument("--run-dir", help="override run.run_dir")
+
+    tail = sub.add_parser("tail", help="print a topic's events as JSON lines",
+                          description="Subscribe to a topic and print each event as one JSON "
+                          "line: monitoring by subscription, no side channel.")
+    tail.add_argument("topic", help=f"one of: {', '.join(ALL_TOPICS)}")
+    tail.add_argument("--bus", help="bus URL")
+    tail.add_argument("--config", help="config file (to find the run's bus)")
+    tail.add_argument("--from", dest="start", default="0",
+                      help="start offset (per partition) or ISO time / epoch seconds")
+    tail.add_argument("--follow", "-f", action="store_true", help="keep waiting for new events")
+    tail.add_argument("--max", type=int, default=0, help="stop after N events")
+
+    rep = sub.add_parser("replay", help="audit: re-run a role on recorded inputs, diff outputs",
+                         description="Re-feed a role the inputs recorded in the event log, on "
+                         "a scratch bus, and compare what it emits with what it emitted in "
+                         "the run. Exit status 1 when there are differences.")
+    rep.add_argument("role")
+    rep.add_argument("--bus", help="bus URL of the recorded run")
+    rep.add_argument("--config", help="the run's config file")
+    rep.add_argument("--name", help="actor name used in the run (default: the role)")
+    rep.add_argument("--json", action="store_true", help="print the full report as JSON")
+
+    top = sub.add_parser("topics", help="topics, end offsets and lag per consumer group")
+    top.add_argument("--bus", help="bus URL")
+    top.add_argument("--config", help="config file (to find the run's bus)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    configure_logging(args.log_level)
+    try:
+        return _dispatch(args)
+    except ConfigError as exc:
+        print(f"gyre: config error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def _config(args):
+    cfg = load_config(getattr(args, "config", None))
+    if getattr(args, "run_dir", None):
+        import msgspec
+
+        cfg = msgspec.structs.replace(
+            cfg, run=msgspec.structs.replace(cfg.run, run_dir=args.run_dir)
+        )
+    return cfg
+
+
+def _dispatch(args) -> int:
+    from .runtime import run_actor, run_main
+
+    if args.command == "actor":
+        cfg = _config(args)
+        run_main(lambda: run_actor(args.role, cfg, args.bus, args.name))
+        return 0
+    if args.command == "run":
+        from .loop import run_loop
+
+        cfg = _config(args)
+        summary = run_main(lambda: run_loop(cfg, bus_override=args.bus,
+                                            progress=not args.no_progress))
+        print(json.dumps(summary, indent=2))
+        return 0
+    if args.command == "tail":
+        cfg = _config(args)
+        return run_main(lambda: _tail(bus_url(cfg, args.bus), args))
+    if args.command == "replay":
+        cfg = _config(args)
+        return run_main(lambda: _replay(bus_url(cfg, args.bus), cfg, args))
+    if args.command == "topics":
+        cfg = _config(args)
+        return run_main(lambda: _topics(bus_url(cfg, args.bus)))
+    raise AssertionError(args.command)
+
+
+def _parse_start(start: str) -> tuple[int | None, float | None]:
+    try:
+        return int(start), None
+    except ValueError:
+        pass
+    try:
+        return None, float(start)
+    except ValueError:
+        pass
+    try:
+        when = dt.datetime.fromisoformat(start)
+    except ValueError:
+        raise SystemExit(f"--from {start!r}: give an offset, epoch seconds or ISO time") from None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=dt.timezone.utc)
+    return None, when.timestamp()
+
+
+async def _tail(url: str, args) -> int:
+    offset, timestamp = _parse_start(args.start)
+    out = sys.stdout
+    count = 0
+    async with open_bus(url) as bus:
+        known = {t.name: t for t in await bus.topics()}
+        if args.topic not in known:
+            raise SystemExit(f"no topic {args.topic!r} on {url}; topics: {', '.join(known)}")
+        info = known[args.topic]
+        reader = await bus.reader([args.topic])
+        try:
+            if timestamp is not None:
+                await reader.seek_to_time(timestamp)
+            else:
+                for p in range(info.partitions):
+                    await reader.seek(args.topic, p, offset or 0)
+            pending = {p for p, end in info.end_offsets.items() if end > (offset or 0)}
+            if timestamp is not None:
+                pending = set(info.end_offsets)
+            idle = 0
+            while True:
+                records = await reader.fetch(1000, 0.25)
+                for r in records:
+                    line = {"topic": r.topic, "partition": r.partition, "offset": r.offset,
+                            "timestamp": r.timestamp}
+                    try:
+                        line["event"] = to_builtins(decode(r.topic, r.value, 1 << 40))
+                    except DecodeError as exc:
+                        line["undecodable"] = exc.reason
+                    out.write(json.dumps(line, default=str) + "\n")
+                    count += 1
+                    if r.offset + 1 >= info.end_offsets.get(r.partition, 0):
+                        pending.discard(r.partition)
+                    if args.max and count >= args.max:
+                        out.flush()
+                        return 0
+                out.flush()
+                idle = 0 if records else idle + 1
+                if not args.follow and (not pending or idle >= 8):
+                    return 0
+        finally:
+            await reader.close()
+
+
+async def _replay(url: str, cfg, args) -> int:
+    from .replay import replay, report_json
+
+    async with open_bus(url) as bus:
+        report = await replay(bus, args.role, cfg, name=args.name)
+    if args.json:
+        sys.stdout.write(report_json(report).decode() + "\n")
+    else:
+        print(f"replayed {args.role}: {report.inputs} inputs, {report.recorded_outputs} recorded "
+              f"outputs, {report.replayed_outputs} replayed outputs")
+        for eid in report.missing:
+            print(f"  missing  {eid}: recorded but not produced on replay")
+        for eid in report.extra:
+            print(f"  extra    {eid}: produced on replay but not recorded")
+        for change in report.changed:
+            fields = ", ".join(change["fields"])
+            print(f"  changed  {change['event_id']}: {fields}")
+        print(f"{report.differences} differences")
+    return 1 if report.differences else 0
+
+
+async def _topics(url: str) -> int:
+    async with open_bus(url) as bus:
+        infos = await bus.topics()
+        groups = await bus.groups()
+        print(f"{'topic':<20} {'parts':>5} {'records':>10}")
+        for t in infos:
+            print(f"{t.name:<20} {t.partitions:>5} {sum(t.end_offsets.values()):>10}")
+        if groups:
+            print(f"\n{'group':<40} {'topic':<20} {'lag':>8}")
+            for g in groups:
+                for t in infos:
+                    done = await bus.committed(g, t.name)
+                    if done:
+                        print(f"{g:<40} {t.name:<20} {await bus.lag(g, [t.name]):>8}")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

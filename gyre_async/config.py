@@ -1,0 +1,62 @@
+"""Loading and validating configuration files (TOML) into ``schemas.config.Config``."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import msgspec
+
+from schemas.config import Config
+
+from .errors import ConfigError
+
+
+def load_config(path: str | os.PathLike | None) -> Config:
+    """Read and validate a TOML config; errors name the file, the field and the fix."""
+    if path is None:
+        return Config()
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"config file {p} not found (examples live in ops/configs/)")
+    try:
+        cfg = msgspec.toml.decode(p.read_bytes(), type=Config)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(
+            f"{p}: {exc}. Fix that field (every field is documented in schemas/config.py; "
+            "unknown fields are refused so typos don't pass silently)."
+        ) from None
+    except msgspec.DecodeError as exc:
+        raise ConfigError(f"{p}: not valid TOML: {exc}") from None
+    validate(cfg, str(p))
+    return cfg
+
+
+def validate(cfg: Config, where: str = "config") -> None:
+    """Cross-field checks that types alone cannot express."""
+    problems = []
+    if cfg.bus.partitions < 1:
+        problems.append("bus.partitions must be >= 1")
+    if cfg.bus.max_message_bytes < 1024:
+        problems.append("bus.max_message_bytes must be >= 1024")
+    for check in _extra_checks:
+        problems.extend(check(cfg))
+    if problems:
+        raise ConfigError(f"{where}: " + "; ".join(problems))
+
+
+_extra_checks: list = []
+
+
+def register_check(fn):
+    """Let a role's module add validation for its own section."""
+    _extra_checks.append(fn)
+    return fn
+
+
+def bus_url(cfg: Config, override: str | None = None) -> str:
+    """The bus for this run: --bus, else config, else $GYRE_BUS, else the embedded log."""
+    url = override or cfg.bus.url or os.environ.get("GYRE_BUS", "")
+    if url:
+        return url
+    return f"sqlite:///{os.path.abspath(os.path.join(cfg.run.run_dir, 'events.db'))}"

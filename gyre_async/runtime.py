@@ -1,0 +1,54 @@
+"""Process entry points: event loop choice (uvloop), signals, running actors."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import structlog
+
+from schemas.config import Config
+
+from .actor import ActorRunner
+from .bus import Bus, open_bus
+from .config import bus_url
+from .topology import build_actor
+
+T = TypeVar("T")
+log = structlog.get_logger(__name__)
+
+
+def run_main(main: Callable[[], Awaitable[T]]) -> T:
+    """Run a coroutine on uvloop when it is installed (faster I/O), else asyncio."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency on POSIX
+        return asyncio.run(main())
+    return uvloop.run(main())
+
+
+def open_run_bus(cfg: Config, override: str | None = None) -> Bus:
+    return open_bus(bus_url(cfg, override), max_message_bytes=cfg.bus.max_message_bytes)
+
+
+def install_stop_signals(stop: Callable[[], None]) -> None:
+    """SIGTERM/SIGINT ask for a graceful stop: finish the batch, commit, leave."""
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop)
+        except (NotImplementedError, RuntimeError):  # pragma: no cover - non-main thread
+            pass
+
+
+async def run_actor(role: str, cfg: Config, bus_override: str | None = None,
+                    name: str | None = None) -> None:
+    """One role in this process until SIGTERM (``gyre actor ROLE``)."""
+    actor = build_actor(role, cfg)
+    async with open_run_bus(cfg, bus_override) as bus:
+        runner = ActorRunner(actor, bus, run_id=cfg.run.run_id, name=name or role,
+                             partitions=cfg.bus.partitions)
+        install_stop_signals(runner.stop)
+        await runner.run()

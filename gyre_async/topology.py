@@ -1,0 +1,52 @@
+"""The whole loop on one screen: roles, what each consumes and emits, and backpressure.
+
+    sampler ──trajectory-step──▶ segmenter ──segment-closed──▶ arbiter ──scored──▶ learner
+       ▲                                                                              │
+       └──────────────────────────────── policy-version ◀─────────────────────────────┘
+
+Edges (topic: producer -> consumers; what pushes back):
+- trajectory-step: sampler -> segmenter. Keyed by trajectory id (one trajectory, one
+  partition, in order). Backpressure: the sampler's staleness gate admits a step only while
+  steps_emitted < (learner_version + max_staleness + 1) * steps_per_version.
+- segment-closed: segmenter -> arbiter. Arrays live in the Zarr segment store; the event
+  carries the address and content hash.
+- scored: arbiter -> learner. The learner holds consumption (``ready``) while it trains, so
+  unscored work queues on the bus, durably, instead of in memory.
+- policy-version: learner (and keeper) -> sampler, evaluator. The sampler pauses when it is
+  more than max_staleness versions behind; the learner drops segments beyond that bound.
+- eval: evaluator -> monitor/keeper. telemetry: every actor -> monitor (heartbeats with lag).
+- dead-letter: every actor -> operators (input it could not use, with the reason).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from schemas.config import Config
+
+#: role -> "module:Class". Each class declares ``consumes`` and ``emits``.
+ROLES: dict[str, str] = {
+    "echo": "actors.echo:EchoActor",
+}
+
+#: The core loop's roles, in data-flow order.
+CORE_ROLES = ("sampler", "segmenter", "arbiter", "learner")
+
+
+def actor_class(role: str):
+    try:
+        target = ROLES[role]
+    except KeyError:
+        raise SystemExit(
+            f"unknown role {role!r}; available roles: {', '.join(sorted(ROLES))}"
+        ) from None
+    module, _, cls = target.partition(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def build_actor(role: str, cfg: Config):
+    """Instantiate a role from its config section (``cfg.<role>``)."""
+    cls = actor_class(role)
+    if hasattr(cls, "from_config"):
+        return cls.from_config(cfg)
+    return cls(getattr(cfg, role))

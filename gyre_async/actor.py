@@ -109,6 +109,7 @@ class ActorRunner:
         fetch_timeout_s: float = 0.2,
         from_beginning: bool = True,
         partitions: int = 4,
+        stop_grace_s: float = 2.0,
     ):
         self.actor = actor
         self.bus = bus
@@ -122,6 +123,7 @@ class ActorRunner:
         self.fetch_timeout_s = fetch_timeout_s
         self.from_beginning = from_beginning
         self.partitions = partitions
+        self.stop_grace_s = stop_grace_s
         self.stopping = asyncio.Event()
         self.processed = 0
         self.dead_letters = 0
@@ -170,7 +172,14 @@ class ActorRunner:
                 if task is not stop_wait and task.exception() is not None:
                     raise task.exception()  # type: ignore[misc]
             self.stopping.set()
-            await asyncio.gather(*tasks, return_exceptions=False)
+            # The consume loop ends after committing its batch; a produce loop gets a
+            # grace period to flush, then is cancelled (its ``finally`` still runs).
+            _, pending = await asyncio.wait(tasks, timeout=self.stop_grace_s)
+            for task in pending:
+                task.cancel()
+            for task in tasks:
+                if not task.cancelled() and task.done() and task.exception() is not None:
+                    raise task.exception()  # type: ignore[misc]
         finally:
             self.stopping.set()
             for task in tasks:

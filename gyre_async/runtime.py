@@ -33,9 +33,25 @@ def open_run_bus(cfg: Config, override: str | None = None) -> Bus:
     return open_bus(bus_url(cfg, override), max_message_bytes=cfg.bus.max_message_bytes)
 
 
+def dump_tasks() -> None:
+    """Print every asyncio task's stack to stderr (``kill -USR1 <pid>`` on a stuck actor)."""
+    import sys
+
+    for task in asyncio.all_tasks():
+        print(f"--- task {task.get_name()}", file=sys.stderr)
+        task.print_stack(file=sys.stderr)
+
+
 def install_stop_signals(stop: Callable[[], None]) -> None:
-    """SIGTERM/SIGINT ask for a graceful stop: finish the batch, commit, leave."""
+    """SIGTERM/SIGINT ask for a graceful stop: finish the batch, commit, leave.
+
+    SIGUSR1 dumps every task's stack, for diagnosing a silent actor.
+    """
     loop = asyncio.get_running_loop()
+    try:
+        loop.add_signal_handler(signal.SIGUSR1, dump_tasks)
+    except (NotImplementedError, RuntimeError):  # pragma: no cover
+        pass
     for sig in (signal.SIGTERM, signal.SIGINT):
         try:
             loop.add_signal_handler(sig, stop)

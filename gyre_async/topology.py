@@ -26,11 +26,19 @@ from schemas.config import Config
 
 #: role -> "module:Class". Each class declares ``consumes`` and ``emits``.
 ROLES: dict[str, str] = {
+    "sampler": "actors.sampler:Sampler",
+    "segmenter": "actors.segmenter:Segmenter",
+    "arbiter": "actors.arbiter:Arbiter",
+    "learner": "actors.learner:Learner",
+    "evaluator": "actors.evaluator:Evaluator",
     "echo": "actors.echo:EchoActor",
 }
 
 #: The core loop's roles, in data-flow order.
 CORE_ROLES = ("sampler", "segmenter", "arbiter", "learner")
+
+#: What ``gyre run`` starts in one process.
+RUN_ROLES = (*CORE_ROLES, "evaluator")
 
 
 def actor_class(role: str):

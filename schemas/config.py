@@ -42,7 +42,129 @@ class EchoConfig(Strict):
     """Raise a non-retriable error on this payload (exercises the dead-letter path)."""
 
 
+class TaskSection(Strict):
+    env: str = "workshop"
+    """Environment name from the registry (gyre_async.envs), e.g. workshop or gym:<id>."""
+    env_config: dict[str, float | int | str | bool] = {}
+    """Keyword arguments for the environment (the workshop's knobs: orders, max_steps, ...)."""
+    train_seed_start: int = 0
+    """Training episodes use seeds from here upward."""
+    eval_seed_start: int = 1_000_000
+    """Validation seeds (never used for training: unseen tasks)."""
+
+
+class PolicySection(Strict):
+    d_model: int = 64
+    """Width of the small causal transformer built from config."""
+    n_layers: int = 2
+    """Transformer blocks."""
+    n_heads: int = 4
+    """Attention heads."""
+    context_tokens: int = 96
+    """Bounded context window: milestone summary + recent turns + current observation."""
+    history_turns: int = 1
+    """How many past (observation, action) turns the context keeps."""
+    max_action_tokens: int = 4
+    """Longest action the policy may generate (tokens, eos included)."""
+    constrain_actions: bool = True
+    """Restrict generated tokens to words that occur in actions (and eos)."""
+
+
+class SamplerConfig(Strict):
+    num_envs: int = 32
+    """Concurrent environment instances (a slow env blocks only its own trajectory)."""
+    step_timeout_s: float = 10.0
+    """A step slower than this ends its trajectory as truncated, with an env-error event."""
+    temperature: float = 1.0
+    """Sampling temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold."""
+    batch_wait_s: float = 0.004
+    """How long the action batcher waits to fill a batch before running the policy."""
+    max_episodes: int = 0
+    """Stop after this many episodes (0: until stopped)."""
+
+
+class SegmenterConfig(Strict):
+    max_segment_steps: int = 32
+    """A segment closes at this length even without a sub-task boundary."""
+    close_on_milestone: bool = True
+    """Close a segment when a milestone (sub-task) is reached."""
+    close_on_state_change: bool = False
+    """Close a segment when the environment reports a significant state change."""
+    store: str = ""
+    """Segment store URL (default: <run_dir>/segments.zarr)."""
+
+
+class ArbiterConfig(Strict):
+    outcome_success: float = 1.0
+    """Reward at the last step of a successful trajectory."""
+    outcome_failure: float = 0.0
+    """Reward at the last step of a failed or truncated trajectory."""
+    milestone_reward: float = 0.1
+    """Reward for each milestone proven by environment state (paid once per trajectory)."""
+
+
+class LearnerConfig(Strict):
+    batch_steps: int = 1024
+    """Train once this many scored steps are buffered (also the sampler's steps per version)."""
+    learning_rate: float = 3e-4
+    """Adam learning rate."""
+    epochs: int = 2
+    """Passes over each batch."""
+    minibatch_steps: int = 256
+    """Steps per gradient step."""
+    gamma: float = 0.99
+    """Discount."""
+    lam: float = 0.95
+    """GAE lambda."""
+    clip_eps: float = 0.2
+    """PPO ratio clip."""
+    value_coef: float = 0.5
+    """Weight of the value loss."""
+    entropy_coef: float = 0.01
+    """Entropy bonus weight."""
+    is_cap: float = 5.0
+    """Cap of the importance weight pi_prox / pi_behaviour for stale samples."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping."""
+    max_versions: int = 0
+    """Stop training after this many updates (0: no limit)."""
+    checkpoints: str = ""
+    """Checkpoint store URL (default: <run_dir>/checkpoints)."""
+
+
+class EvaluatorConfig(Strict):
+    every_versions: int = 5
+    """Evaluate every N policy versions (version 0 always)."""
+    episodes: int = 32
+    """Validation episodes (seeds from task.eval_seed_start)."""
+    greedy: bool = True
+    """Greedy decoding (else sampled at temperature 1)."""
+
+
+class LoopSection(Strict):
+    max_staleness: int = 2
+    """How many versions behind the learner a sample may be (the sampler pauses beyond)."""
+    max_env_steps: int = 0
+    """Stop the run after this many environment steps (0: no limit)."""
+    max_wall_s: float = 0.0
+    """Stop the run after this many seconds (0: no limit)."""
+    target_success: float = 0.0
+    """Stop early once validation success reaches this (0: never)."""
+
+
 class Config(Strict):
+    """A whole run: one section per concern and per role."""
+
     run: RunSection = msgspec.field(default_factory=RunSection)
     bus: BusSection = msgspec.field(default_factory=BusSection)
+    loop: LoopSection = msgspec.field(default_factory=LoopSection)
+    task: TaskSection = msgspec.field(default_factory=TaskSection)
+    policy: PolicySection = msgspec.field(default_factory=PolicySection)
+    sampler: SamplerConfig = msgspec.field(default_factory=SamplerConfig)
+    segmenter: SegmenterConfig = msgspec.field(default_factory=SegmenterConfig)
+    arbiter: ArbiterConfig = msgspec.field(default_factory=ArbiterConfig)
+    learner: LearnerConfig = msgspec.field(default_factory=LearnerConfig)
+    evaluator: EvaluatorConfig = msgspec.field(default_factory=EvaluatorConfig)
     echo: EchoConfig = msgspec.field(default_factory=EchoConfig)

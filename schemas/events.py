@@ -142,7 +142,9 @@ class SegmentClosed(Event, tag="segment-closed", frozen=True, kw_only=True):
     trajectory_done: bool = False
     success: bool = False
     milestones: list[Milestone] = []
+    milestone_steps: list[int] = []  # step index (absolute) where each milestone was reached
     feedback: list[float] = []  # per-step raw environment feedback
+    actions: list[str] = []  # per-step action text (for guards; tokens live in the store)
 
     def __post_init__(self) -> None:
         _non_negative("step_start", self.step_start)
@@ -170,6 +172,7 @@ class Scored(Event, tag="scored", frozen=True, kw_only=True):
     step_rewards: list[float]
     total: float
     decided_by: str
+    paid_milestones: list[str] = []
 
     def __post_init__(self) -> None:
         if len(self.step_rewards) != self.step_end - self.step_start:
@@ -198,6 +201,7 @@ class PolicyVersion(Event, tag="policy-version", frozen=True, kw_only=True):
     learning_rate: float = 0.0
     env_steps: int = 0
     metrics: dict[str, float] = {}
+    trained_segments: list[str] = []  # segment ids in the batch that made this version
 
     def __post_init__(self) -> None:
         _non_negative("version", self.version)

@@ -1,0 +1,290 @@
+"""Learner: PPO on scored segments as they come, publishing a policy version per update.
+
+consumes: scored (Scored)
+emits:    policy-version (PolicyVersion), telemetry (SegmentDropped)
+
+A long trajectory does not block training: each scored segment is trainable on arrival,
+its value bootstrapped at the segment boundary (V of the context right after it). An update
+runs once ``batch_steps`` steps are buffered (sync mode: once every episode of the version
+has ended). Samples more than ``max_staleness`` versions old are dropped and counted
+(``segment-dropped``); the rest get decoupled PPO with a truncated importance weight
+pi_prox / pi_behaviour (see ``gyre_async.rl.ppo``), so moderately stale samples still help.
+
+Restart: the learner resumes from its latest ``policy-version`` checkpoint; buffered but
+untrained segments are re-delivered because the runtime never commits past them
+(``commit_floor``). The optimizer state restarts (documented limitation).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from gyre_async.actor import Actor, Emit
+from gyre_async.bus.reading import iter_topics
+from gyre_async.policy.factory import build_policy, build_tokenizer, load_weights, save_weights
+from gyre_async.rl.advantages import segment_gae
+from gyre_async.rl.ppo import broadcast_step_advantages, ppo_policy_loss, value_loss
+from gyre_async.rl.staleness import StalenessGate
+from gyre_async.storage.checkpoints import CheckpointStore
+from gyre_async.storage.segments import SegmentStore
+from schemas import decode, event_id
+from schemas.config import Config
+from schemas.events import PolicyVersion, Scored, SegmentDropped
+from schemas.topics import POLICY_VERSION, SCORED, TELEMETRY
+
+
+@dataclass
+class Buffered:
+    scored: Scored
+    arrays: dict[str, np.ndarray]
+    where: tuple[int, int]  # (partition, offset) of the scored event
+
+    @property
+    def steps(self) -> int:
+        return self.scored.step_end - self.scored.step_start
+
+
+def _rows(tokens: np.ndarray, lengths: np.ndarray) -> list[list[int]]:
+    return [tokens[i, : int(lengths[i])].tolist() for i in range(len(lengths))]
+
+
+class LearnerCore:
+    """PPO over buffered segments (no bus; the actor feeds it and publishes its versions)."""
+
+    def __init__(self, cfg: Config, policy):
+        self.cfg = cfg
+        self.policy = policy
+        self.optimizer = torch.optim.Adam(policy.parameters(), lr=cfg.learner.learning_rate)
+        self.buffer: list[Buffered] = []
+
+    @property
+    def buffered_steps(self) -> int:
+        return sum(b.steps for b in self.buffer)
+
+    def set_learning_rate(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def _flatten(self, items: list[Buffered]):
+        contexts, actions, behav, rewards, seg_of = [], [], [], [], []
+        for k, item in enumerate(items):
+            a = item.arrays
+            contexts += _rows(a["context_tokens"], a["context_len"])
+            act_len = a["action_mask"].sum(axis=1)
+            actions += _rows(a["action_tokens"], act_len)
+            behav += [a["action_logprobs"][i, : int(act_len[i])].tolist() for i in range(len(act_len))]
+            rewards += list(item.scored.step_rewards)
+            seg_of += [k] * item.steps
+        return contexts, actions, behav, rewards, seg_of
+
+    def train(self) -> dict[str, float]:
+        """One PPO update on everything buffered; empties the buffer."""
+        L = self.cfg.learner
+        items, self.buffer = self.buffer, []
+        contexts, actions, behav, rewards, seg_of = self._flatten(items)
+        n = len(contexts)
+        with torch.no_grad():
+            values = self.policy.values(contexts).float()
+            boots = [it.arrays["bootstrap_context"][0, : int(it.arrays["bootstrap_len"][0])].tolist()
+                     for it in items]
+            need = [i for i, b in enumerate(boots) if b and not it_terminal(items[i])]
+            boot_v = torch.zeros(len(items))
+            if need:
+                boot_v[need] = self.policy.values([boots[i] for i in need]).float()
+        # segment-level GAE, padded [S, T]
+        T = max(it.steps for it in items)
+        S = len(items)
+        r = torch.zeros(S, T)
+        v = torch.zeros(S, T)
+        m = torch.zeros(S, T, dtype=torch.bool)
+        index = []
+        pos = 0
+        for k, it in enumerate(items):
+            r[k, : it.steps] = torch.tensor(it.scored.step_rewards)
+            v[k, : it.steps] = values[pos : pos + it.steps]
+            m[k, : it.steps] = True
+            index += [(k, t) for t in range(it.steps)]
+            pos += it.steps
+        terminal = torch.tensor([it_terminal(it) for it in items])
+        adv2d, ret2d = segment_gae(r, v, m, boot_v, terminal, L.gamma, L.lam)
+        ks = torch.tensor([k for k, _ in index])
+        ts = torch.tensor([t for _, t in index])
+        adv = adv2d[ks, ts]
+        ret = ret2d[ks, ts]
+        adv_n = (adv - adv.mean()) / (adv.std() + 1e-8) if n > 1 else adv
+        A = max(len(a) for a in actions)
+        behav_t = torch.zeros(n, A)
+        tmask = torch.zeros(n, A, dtype=torch.bool)
+        for i, lp in enumerate(behav):
+            behav_t[i, : len(lp)] = torch.tensor(lp)
+            tmask[i, : len(lp)] = True
+        with torch.no_grad():
+            prox = torch.zeros(n, A)
+            for sl in _slices(n, 1024):
+                out = self.policy.evaluate([contexts[i] for i in sl], [actions[i] for i in sl])
+                prox[sl, : out.logprobs.shape[1]] = out.logprobs.float()
+        stats: dict[str, list[float]] = {}
+        gen = torch.Generator().manual_seed(len(self.buffer) + n)
+        for _ in range(L.epochs):
+            perm = torch.randperm(n, generator=gen).tolist()
+            for start in range(0, n, L.minibatch_steps):
+                mb = perm[start : start + L.minibatch_steps]
+                out = self.policy.evaluate([contexts[i] for i in mb], [actions[i] for i in mb])
+                width = out.logprobs.shape[1]
+                mask = tmask[mb, :width]
+                tok_adv = broadcast_step_advantages(adv_n[mb], mask)
+                pl, pstats = ppo_policy_loss(out.logprobs, prox[mb, :width], behav_t[mb, :width],
+                                             tok_adv, mask, L.clip_eps, L.is_cap)
+                vl = value_loss(out.values.float(), values[mb], ret[mb], clip=0.5)
+                ent = (out.entropy * mask).sum() / mask.sum().clamp(min=1)
+                loss = pl + L.value_coef * vl - L.entropy_coef * ent
+                self.optimizer.zero_grad()
+                loss.backward()
+                gn = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), L.max_grad_norm)
+                self.optimizer.step()
+                for key, val in {**pstats, "policy_loss": float(pl), "value_loss": float(vl),
+                                 "entropy": float(ent), "grad_norm": float(gn)}.items():
+                    stats.setdefault(key, []).append(val)
+        out_stats = {f"losses/{k}": float(np.mean(vals)) for k, vals in stats.items()}
+        out_stats.update({
+            "charts/batch_steps": float(n), "charts/batch_segments": float(S),
+            "charts/mean_reward": float(np.mean(rewards)), "charts/mean_value": float(values.mean()),
+            "charts/mean_return": float(ret.mean()),
+            "charts/max_staleness_seen": 0.0,
+        })
+        self.last_items = items
+        return out_stats
+
+
+def it_terminal(item: Buffered) -> bool:
+    return bool(item.arrays["terminal"][0])
+
+
+def _slices(n: int, size: int) -> list[list[int]]:
+    return [list(range(s, min(n, s + size))) for s in range(0, n, size)]
+
+
+class Learner(Actor):
+    role = "learner"
+    consumes = (SCORED,)
+    emits = (POLICY_VERSION, TELEMETRY)
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        torch.manual_seed(cfg.run.seed)
+        self.tokenizer = build_tokenizer(cfg)
+        self.policy = build_policy(cfg, self.tokenizer)
+        self.core = LearnerCore(cfg, self.policy)
+        self._segments: SegmentStore | None = None
+        self.checkpoints = CheckpointStore(cfg.learner.checkpoints
+                                           or f"{cfg.run.run_dir}/checkpoints")
+        self.gate = StalenessGate(cfg.loop.max_staleness, cfg.learner.batch_steps)
+        self.version = -1
+        self.trained_steps = 0
+        self.dropped = 0
+        self.learning_rate = cfg.learner.learning_rate
+        self.done_trajectories: set[str] = set()
+        self.train_seconds = 0.0
+
+    def segment_store(self) -> SegmentStore:
+        """Opened on first use: in one-process-per-role runs the segmenter creates it."""
+        if self._segments is None:
+            url = self.cfg.segmenter.store or f"{self.cfg.run.run_dir}/segments.zarr"
+            self._segments = SegmentStore(url, read_only=True)
+        return self._segments
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> Learner:
+        return cls(cfg)
+
+    async def on_start(self) -> None:
+        latest = None
+        async for record in iter_topics(self.runner.bus, [POLICY_VERSION]):
+            event = decode(POLICY_VERSION, record.value, 1 << 40)
+            if latest is None or event.version >= latest.version:
+                latest = event
+        if latest is not None:
+            await asyncio.to_thread(load_weights, self.policy, latest.checkpoint,
+                                    latest.checkpoint_hash)
+            self.version = latest.version
+            self.trained_steps = latest.env_steps
+            self.learning_rate = latest.learning_rate or self.learning_rate
+            self.core.set_learning_rate(self.learning_rate)
+        else:
+            await self.runner.emit([await self._publish("init", {}, [])])
+
+    async def handle(self, event, record):
+        match event:
+            case Scored():
+                return await self._on_scored(event, record)
+        return []
+
+    async def _on_scored(self, scored: Scored, record):
+        L = self.cfg.learner
+        if L.max_versions and self.version >= L.max_versions:
+            return []  # training budget spent; the run is winding down
+        if self.gate.is_stale(scored.min_policy_version, self.version):
+            self.dropped += 1
+            return [Emit(TELEMETRY, SegmentDropped(
+                event_id=event_id("dropped", scored.segment_id), run_id=scored.run_id,
+                producer=self.runner.name, key=scored.trajectory_id,
+                segment_id=scored.segment_id, reason="stale",
+                staleness=self.version - scored.min_policy_version))]
+        self.core.buffer.append(Buffered(scored, {}, (record.partition, record.offset)))
+        if scored.trajectory_done:
+            self.done_trajectories.add(scored.trajectory_id)
+        if not self._batch_ready():
+            return []
+        ids = [b.scored.segment_id for b in self.core.buffer]
+        steps = self.core.buffered_steps
+        staleness = max(self.version - b.scored.min_policy_version for b in self.core.buffer)
+        started = time.monotonic()
+        arrays = await asyncio.to_thread(self.segment_store().read_many,
+                                         [b.scored.address for b in self.core.buffer])
+        for item, arr in zip(self.core.buffer, arrays):
+            item.arrays = arr
+        stats = await asyncio.to_thread(self.core.train)
+        self.train_seconds += time.monotonic() - started
+        stats["charts/max_staleness_seen"] = float(staleness)
+        self.trained_steps += steps
+        self.done_trajectories.clear()
+        return [await self._publish("update", stats, ids)]
+
+    def _batch_ready(self) -> bool:
+        if self.cfg.run.mode == "sync":
+            return len(self.done_trajectories) >= self.cfg.sampler.num_envs
+        return self.core.buffered_steps >= self.cfg.learner.batch_steps
+
+    async def _publish(self, reason: str, stats: dict[str, float], ids: list[str]) -> Emit:
+        version = self.version + 1
+        ref = await asyncio.to_thread(
+            save_weights, self.checkpoints, self.policy, version,
+            {"run_id": self.cfg.run.run_id, "reason": reason, "parent": str(self.version)})
+        final = bool(self.cfg.learner.max_versions and version >= self.cfg.learner.max_versions)
+        metrics = {**stats, "charts/dropped_segments": float(self.dropped),
+                   "final": 1.0 if final else 0.0}
+        event = PolicyVersion(
+            event_id=event_id("policy-version", self.cfg.run.run_id, version, reason),
+            run_id=self.cfg.run.run_id, producer=self.runner.name, key="policy",
+            version=version, checkpoint=ref.address, checkpoint_hash=ref.sha256,
+            parent=self.version if self.version >= 0 else None, reason=reason,  # type: ignore[arg-type]
+            learning_rate=self.learning_rate, env_steps=self.trained_steps, metrics=metrics,
+            trained_segments=ids)
+        self.version = version
+        return Emit(POLICY_VERSION, event)
+
+    def commit_floor(self):
+        floor: dict[tuple[str, int], int] = {}
+        for b in self.core.buffer:
+            tp = (SCORED, b.where[0])
+            floor[tp] = min(floor.get(tp, b.where[1]), b.where[1])
+        return floor
+
+    def stats(self):
+        return {"version": float(self.version), "buffered_steps": float(self.core.buffered_steps),
+                "dropped": float(self.dropped), "train_s": self.train_seconds}

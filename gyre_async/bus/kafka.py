@@ -1,0 +1,669 @@
+"""The Kafka backend of the bus, on aiokafka.
+
+Choices, and why:
+
+- Partitions are chosen here with :func:`partition_for` (CRC32 of the key), not by
+  aiokafka's murmur2 partitioner, so a key lands on the same partition number in the
+  embedded and the Kafka backend and a run can move between them.
+- ``acks="all"`` and, where the broker supports it, the idempotent producer: a publish that
+  returns is durable, and a retried batch is not written twice. ``enable_idempotence="auto"``
+  tries it and falls back when the broker refuses InitProducerId (Tansu answers
+  UNKNOWN_SERVER_ERROR; noida-db and Apache Kafka accept it). ``bus.idempotent`` says which.
+- Publish fills one record batch per partition and only then awaits the acks, so a call of
+  1000 messages goes out as a few large batches, not 1000 round trips (see ``publish``).
+- End offsets are read as the *high watermark of a Fetch response*, not from ListOffsets:
+  Tansu answers ListOffsets(latest) with the base offset of the last batch + 1 (e.g. 11 for a
+  partition holding 15 records in three batches), while every broker fills the high
+  watermark of a Fetch correctly. Tansu also answers a Fetch with max_wait 0 with no data at
+  all, hence the 10 ms wait. The same bug would make ``auto_offset_reset="latest"`` start
+  inside the last batch, so ``from_beginning=False`` seeks to the high watermark itself.
+- Committed offsets are asked for with explicit partitions: Tansu drops the connection on
+  the "all partitions of the group" form of OffsetFetch.
+- Topic names are checked here against Kafka's rules, because Tansu creates topics with any
+  name at all (even ``""``); CreateTopics errors other than TOPIC_ALREADY_EXISTS raise.
+- aiokafka errors become :class:`BusError`, ``retriable`` for connection loss, timeouts and
+  errors aiokafka itself marks retriable, so the actor runtime retries them with backoff.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import structlog
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.client import AIOKafkaClient
+from aiokafka.cluster import ClusterMetadata
+from aiokafka.errors import (
+    CommitFailedError,
+    KafkaConnectionError,
+    KafkaError,
+    KafkaTimeoutError,
+    MessageSizeTooLargeError,
+    NodeNotReadyError,
+    RequestTimedOutError,
+    for_code,
+)
+from aiokafka.helpers import create_ssl_context
+from aiokafka.protocol.fetch import FetchRequest
+from aiokafka.protocol.offset import OffsetRequest
+from aiokafka.structs import OffsetAndMetadata, TopicPartition as KafkaTP
+
+from .base import (
+    Bus,
+    BusError,
+    Consumer,
+    MessageTooLarge,
+    Record,
+    TopicInfo,
+    TopicPartition,
+    partition_for,
+)
+
+log = structlog.get_logger(__name__)
+
+TOPIC_ALREADY_EXISTS = 36
+_LEGAL_TOPIC = re.compile(r"[A-Za-z0-9._-]{1,249}")
+_SECURITY_KEYS = frozenset({
+    "security_protocol", "ssl_cafile", "ssl_certfile", "ssl_keyfile", "ssl_password",
+    "sasl_mechanism", "sasl_plain_username", "sasl_plain_password",
+})
+_RETRIABLE = (KafkaConnectionError, KafkaTimeoutError, NodeNotReadyError, RequestTimedOutError,
+              CommitFailedError, asyncio.TimeoutError, ConnectionError)
+#: Producer settings, shared with the raw-aiokafka baseline of ops/bench/bus.py. No linger:
+#: publish hands over whole batches it built itself, so waiting merges nothing and only adds
+#: latency (a 1-message publish on noida: 0.3 ms at linger 0, 5.8 ms at linger 5).
+PRODUCER_TUNING: dict[str, Any] = {"linger_ms": 0, "max_batch_size": 256 * 1024}
+
+
+def bus_error(exc: BaseException, what: str) -> BusError:
+    """Wrap an aiokafka (or socket) error, keeping whether a retry can help."""
+    if isinstance(exc, BusError):
+        return exc
+    retriable = isinstance(exc, _RETRIABLE) or bool(getattr(exc, "retriable", False))
+    return BusError(f"{what}: {type(exc).__name__}: {exc}", retriable=retriable)
+
+
+def check_topic_name(name: str) -> None:
+    """Kafka's topic-name rules, enforced client-side so every broker behaves alike."""
+    if not _LEGAL_TOPIC.fullmatch(name) or name in (".", ".."):
+        raise BusError(
+            f"illegal topic name {name!r}: use 1-249 of [A-Za-z0-9._-], not '.' or '..'"
+        )
+
+
+def _as_bool_or_auto(value: bool | str) -> bool | str:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text == "auto":
+        return "auto"
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"enable_idempotence must be true, false or auto, not {value!r}")
+
+
+def client_config(bootstrap: str, client_id: str, security: Mapping[str, str]) -> dict[str, Any]:
+    """aiokafka connection settings (bootstrap, TLS context, SASL) from URL-style options."""
+    unknown = sorted(set(security) - _SECURITY_KEYS)
+    if unknown:
+        raise ValueError(
+            f"unknown Kafka option(s) {', '.join(unknown)}; known: {', '.join(sorted(_SECURITY_KEYS))}"
+        )
+    protocol = str(security.get("security_protocol", "PLAINTEXT")).upper()
+    cfg: dict[str, Any] = {
+        "bootstrap_servers": [h.strip() for h in bootstrap.split(",") if h.strip()],
+        "client_id": client_id,
+        "security_protocol": protocol,
+    }
+    if protocol in ("SSL", "SASL_SSL"):
+        cfg["ssl_context"] = create_ssl_context(
+            cafile=security.get("ssl_cafile"),
+            certfile=security.get("ssl_certfile"),
+            keyfile=security.get("ssl_keyfile"),
+            password=security.get("ssl_password"),
+        )
+    elif any(k.startswith("ssl_") for k in security):
+        raise ValueError(f"ssl_* options need security_protocol SSL or SASL_SSL, not {protocol}")
+    if protocol.startswith("SASL_"):
+        cfg["sasl_mechanism"] = security.get("sasl_mechanism", "PLAIN")
+        cfg["sasl_plain_username"] = security.get("sasl_plain_username")
+        cfg["sasl_plain_password"] = security.get("sasl_plain_password")
+    return cfg
+
+
+class KafkaBus(Bus):
+    """A :class:`Bus` on a Kafka-protocol cluster (Apache Kafka, Redpanda, noida-db, Tansu)."""
+
+    def __init__(
+        self,
+        bootstrap: str,
+        *,
+        client_id: str = "gyre",
+        enable_idempotence: bool | str = "auto",
+        max_message_bytes: int | str = 1_000_000,
+        replication_factor: int | str = 1,
+        isolation_level: str = "read_uncommitted",
+        join_timeout: float | str = 60.0,
+        **security: str,
+    ):
+        self.bootstrap = bootstrap
+        self.url = f"kafka://{bootstrap}"  # never the query: it may hold a password
+        self.client_id = client_id
+        self.max_message_bytes = int(max_message_bytes)
+        self.replication_factor = int(replication_factor)
+        # Gyre publishes without Kafka transactions (dedup is by event id), so reading
+        # uncommitted data costs nothing and avoids waiting on a last-stable offset.
+        self.isolation_level = isolation_level
+        self.join_timeout = float(join_timeout)
+        self.idempotent: bool | None = None  # known after start()
+        self._idempotence = _as_bool_or_auto(enable_idempotence)
+        self._client_cfg = client_config(bootstrap, client_id, security)
+        self._security_protocol = self._client_cfg["security_protocol"]
+        self._producer: AIOKafkaProducer | None = None
+        self._admin: AIOKafkaAdminClient | None = None
+        self._meta: AIOKafkaClient | None = None
+        self._partition_counts: dict[str, int] = {}
+
+    def __repr__(self) -> str:
+        return f"KafkaBus({self.bootstrap!r}, security_protocol={self._security_protocol!r})"
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def connection_config(self) -> dict[str, Any]:
+        """Bootstrap, client id, TLS and SASL settings, as aiokafka clients take them."""
+        return dict(self._client_cfg)
+
+    def producer_config(self, *, idempotent: bool) -> dict[str, Any]:
+        """Everything AIOKafkaProducer gets (the benchmark's raw baseline reuses it)."""
+        return {
+            **self._client_cfg,
+            **PRODUCER_TUNING,
+            "acks": "all",
+            "enable_idempotence": idempotent,
+            # A batch holds at least one record; leave room for the key and record framing.
+            "max_request_size": self.max_message_bytes + 64 * 1024,
+        }
+
+    async def start(self) -> None:
+        if self._producer is not None:
+            return
+        try:
+            self._producer = await self._start_producer()
+            self._admin = AIOKafkaAdminClient(**self._client_cfg)
+            await self._admin.start()
+            self._meta = AIOKafkaClient(**self._client_cfg)
+            await self._meta.bootstrap()
+        except Exception as exc:
+            await self.close()
+            raise bus_error(exc, f"cannot connect to Kafka at {self.bootstrap}") from exc
+        log.info("kafka.started", bootstrap=self.bootstrap, idempotent=self.idempotent,
+                 security_protocol=self._security_protocol)
+
+    async def _start_producer(self) -> AIOKafkaProducer:
+        """Start the producer, idempotent if asked or ("auto") if the broker allows it."""
+        if self._idempotence is not False:
+            producer = AIOKafkaProducer(**self.producer_config(idempotent=True))
+            try:
+                await producer.start()
+                self.idempotent = True
+                return producer
+            except KafkaError as exc:
+                await producer.stop()
+                # Connection trouble says nothing about the broker's features: report it.
+                if isinstance(exc, _RETRIABLE) or exc.retriable:
+                    raise
+                if self._idempotence is True:
+                    raise BusError(
+                        f"broker at {self.bootstrap} refused the idempotent producer "
+                        f"(enable_idempotence=true): {type(exc).__name__}: {exc}; use "
+                        "enable_idempotence=auto or false for this broker"
+                    ) from exc
+                log.info("kafka.idempotence_unsupported", bootstrap=self.bootstrap,
+                         error=f"{type(exc).__name__}: {exc}")
+        producer = AIOKafkaProducer(**self.producer_config(idempotent=False))
+        await producer.start()
+        self.idempotent = False
+        return producer
+
+    async def close(self) -> None:
+        """Stop every client; the first failure is raised after all were tried."""
+        first: BaseException | None = None
+        for closer in (self._producer and self._producer.stop,
+                       self._admin and self._admin.close, self._meta and self._meta.close):
+            if closer is None:
+                continue
+            try:
+                await closer()
+            except Exception as exc:  # keep closing the others, then report
+                first = first or exc
+        self._producer = self._admin = self._meta = None
+        if first is not None:
+            raise bus_error(first, "closing the Kafka bus")
+
+    def _started(self) -> tuple[AIOKafkaProducer, AIOKafkaAdminClient, AIOKafkaClient]:
+        if self._producer is None or self._admin is None or self._meta is None:
+            raise BusError("KafkaBus is not started: use 'async with bus' or await bus.start()")
+        return self._producer, self._admin, self._meta
+
+    # -- topics --------------------------------------------------------------------------
+
+    async def create_topics(self, names: Iterable[str], partitions: int = 4) -> None:
+        _, admin, _ = self._started()
+        names = list(dict.fromkeys(names))
+        for name in names:
+            check_topic_name(name)
+        if partitions < 1:
+            raise BusError(f"a topic needs at least 1 partition, not {partitions}")
+        if not names:
+            return
+        new = [NewTopic(n, partitions, self.replication_factor) for n in names]
+        try:
+            response = await admin.create_topics(new)
+        except KafkaError as exc:
+            raise bus_error(exc, f"creating topics {names}") from exc
+        # aiokafka returns per-topic error codes instead of raising: check every one.
+        for entry in response.topic_errors:
+            topic, code = entry[0], entry[1]
+            message = entry[2] if len(entry) > 2 else None
+            if code in (0, TOPIC_ALREADY_EXISTS):
+                continue
+            err = for_code(code)
+            raise BusError(
+                f"cannot create topic {topic!r}: error {code} {err.__name__}"
+                + (f": {message}" if message else ""),
+                retriable=bool(getattr(err, "retriable", False)),
+            )
+        await self._wait_for_topics(names)
+        log.info("kafka.topics_created", topics=names, partitions=partitions)
+
+    async def _cluster(self) -> ClusterMetadata:
+        """Fresh metadata of every topic (the client's own view tracks only some)."""
+        _, _, meta = self._started()
+        try:
+            return await meta.fetch_all_metadata()
+        except KafkaError as exc:
+            # aiokafka raises a bare KafkaError when no broker answered: worth a retry.
+            raise BusError(f"reading metadata from {self.bootstrap}: {exc}", retriable=True) from exc
+
+    async def _wait_for_topics(self, names: list[str]) -> None:
+        """Creation is asynchronous in Kafka: wait until metadata lists every partition."""
+        deadline = time.monotonic() + self.join_timeout
+        while True:
+            cluster = await self._cluster()
+            missing = [n for n in names if not cluster.partitions_for_topic(n)]
+            if not missing:
+                return
+            if time.monotonic() > deadline:
+                raise BusError(f"topics {missing} not in metadata after {self.join_timeout}s",
+                               retriable=True)
+            await asyncio.sleep(0.1)
+
+    async def _partitions(self, topic: str) -> int:
+        """Partition count of ``topic``, cached: keys map to partitions by this count."""
+        n = self._partition_counts.get(topic)
+        if n is None:
+            producer, _, _ = self._started()
+            try:
+                n = len(await producer.partitions_for(topic))
+            except KafkaError as exc:
+                raise bus_error(exc, f"looking up partitions of {topic!r}") from exc
+            self._partition_counts[topic] = n
+        return n
+
+    async def topics(self) -> list[TopicInfo]:
+        cluster = await self._cluster()
+        names = sorted(t for t in cluster.topics() if not t.startswith("__"))
+        tps = [KafkaTP(t, p) for t in names for p in sorted(cluster.partitions_for_topic(t) or ())]
+        ends = await self.end_offsets(tps, cluster)
+        out = []
+        for name in names:
+            parts = {tp.partition: off for tp, off in ends.items() if tp.topic == name}
+            out.append(TopicInfo(name=name, partitions=len(parts), end_offsets=parts))
+        return out
+
+    async def end_offsets(
+        self, tps: Sequence[KafkaTP], cluster: ClusterMetadata | None = None
+    ) -> dict[KafkaTP, int]:
+        """Offset of the next record to be written, per partition (see module docstring)."""
+        _, _, meta = self._started()
+        cluster = cluster or await self._cluster()
+        by_leader: dict[int, list[KafkaTP]] = defaultdict(list)
+        for tp in tps:
+            leader = cluster.leader_for_partition(tp)
+            if leader is None or leader < 0:
+                raise BusError(f"no leader for {tp.topic}[{tp.partition}]", retriable=True)
+            by_leader[leader].append(tp)
+        out: dict[KafkaTP, int] = {}
+        try:
+            for leader, group in by_leader.items():
+                out.update(await self._high_watermarks(meta, leader, group))
+        except KafkaError as exc:
+            raise bus_error(exc, "reading end offsets") from exc
+        return out
+
+    async def _high_watermarks(
+        self, meta: AIOKafkaClient, node: int, tps: list[KafkaTP]
+    ) -> dict[KafkaTP, int]:
+        by_topic: dict[str, list[KafkaTP]] = defaultdict(list)
+        for tp in tps:
+            by_topic[tp.topic].append(tp)
+        latest = await meta.send(node, OffsetRequest(
+            -1, 0, [(t, [(tp.partition, -1) for tp in group]) for t, group in by_topic.items()]))
+        start: dict[KafkaTP, int] = {}
+        for topic, parts in latest.topics:
+            for part, code, *rest in parts:
+                _raise_for(code, f"ListOffsets {topic}[{part}]")
+                start[KafkaTP(topic, part)] = max(0, rest[-1] if rest else 0)
+        # Fetch one byte from there: the response carries the true high watermark.
+        fetched = await meta.send(node, FetchRequest(
+            10, 0, 1, 0,
+            [(t, [(tp.partition, start[tp], 1) for tp in group]) for t, group in by_topic.items()]))
+        out = {}
+        for topic, parts in fetched.topics:
+            for part, code, highwater, *_ in parts:
+                _raise_for(code, f"Fetch {topic}[{part}]")
+                out[KafkaTP(topic, part)] = highwater
+        missing = set(tps) - set(out)
+        if missing:
+            raise BusError(f"broker gave no high watermark for {sorted(missing)}", retriable=True)
+        return out
+
+    # -- publish -------------------------------------------------------------------------
+
+    async def publish(self, topic: str, messages: Sequence[tuple[bytes | None, bytes]]) -> None:
+        """Fill one record batch per partition, hand them over, then wait for all acks.
+
+        Building batches here (``create_batch``/``send_batch``) rather than calling
+        ``send()`` per message skips aiokafka's per-message coroutine, metadata check and
+        future: a 1000-message publish becomes a few appends in C and one await per
+        partition. A batch stops growing at ``max_batch_size``; the first record always
+        fits, so one message up to ``max_message_bytes`` goes out alone.
+        """
+        if not messages:
+            return
+        self.check_size(messages)
+        producer, _, _ = self._started()
+        n = self._partition_counts.get(topic) or await self._partitions(topic)
+        builders: dict[int, Any] = {}
+        futures = []
+        try:
+            for key, value in messages:
+                part = partition_for(key, n)
+                builder = builders.get(part)
+                if builder is None:
+                    builder = builders[part] = producer.create_batch()
+                if builder.append(key=key, value=value, timestamp=None) is None:  # full
+                    futures.append(await producer.send_batch(builder, topic, partition=part))
+                    builder = builders[part] = producer.create_batch()
+                    builder.append(key=key, value=value, timestamp=None)
+            for part, builder in builders.items():
+                futures.append(await producer.send_batch(builder, topic, partition=part))
+        except KafkaError as exc:
+            raise self._publish_error(exc, topic, messages) from exc
+        results = await asyncio.gather(*futures, return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise self._publish_error(result, topic, messages) from result
+
+    def _publish_error(self, exc: BaseException, topic: str,
+                       messages: Sequence[tuple[bytes | None, bytes]]) -> BusError:
+        if isinstance(exc, MessageSizeTooLargeError):  # the broker's limit is below ours
+            return MessageTooLarge(max(len(v) for _, v in messages), self.max_message_bytes)
+        return bus_error(exc, f"publishing to {topic!r}")
+
+    # -- consume -------------------------------------------------------------------------
+
+    async def consumer(
+        self, group: str, topics: Sequence[str], *, from_beginning: bool = True
+    ) -> KafkaConsumer:
+        self._started()
+        member = KafkaConsumer(self, group, tuple(topics), from_beginning=from_beginning)
+        await member.start()
+        return member
+
+    async def reader(self, topics: Sequence[str]) -> KafkaReader:
+        """Every partition of ``topics`` from offset 0, outside any group (replay, tail)."""
+        self._started()
+        reader = KafkaReader(self, tuple(topics))
+        await reader.start()
+        return reader
+
+    async def committed(self, group: str, topic: str) -> dict[int, int]:
+        _, admin, _ = self._started()
+        parts = (await self._cluster()).partitions_for_topic(topic)
+        if not parts:
+            return {}
+        try:
+            offsets = await admin.list_consumer_group_offsets(
+                group, partitions=[KafkaTP(topic, p) for p in sorted(parts)])
+        except KafkaError as exc:
+            raise bus_error(exc, f"reading offsets of group {group!r}") from exc
+        return {tp.partition: om.offset for tp, om in offsets.items() if om.offset >= 0}
+
+    async def groups(self) -> list[str]:
+        _, admin, _ = self._started()
+        try:
+            return sorted(g[0] for g in await admin.list_consumer_groups())
+        except KafkaError as exc:
+            raise bus_error(exc, "listing consumer groups") from exc
+
+
+def _raise_for(code: int, what: str) -> None:
+    if code:
+        err = for_code(code)
+        raise BusError(f"{what}: error {code} {err.__name__}",
+                       retriable=bool(getattr(err, "retriable", False)))
+
+
+class _Member(Consumer):
+    """What a group member and a group-less reader share: reading, seeking, closing."""
+
+    group: str
+
+    def __init__(self, bus: KafkaBus, topics: tuple[str, ...], **options: Any):
+        self.bus = bus
+        self.topics = topics
+        self.joined = asyncio.Event()  # set while an assignment is in place
+        self.failure: BusError | None = None  # raised by fetch (set in a rebalance callback)
+        self._consumer = AIOKafkaConsumer(
+            **bus._client_cfg,
+            enable_auto_commit=False,
+            isolation_level=bus.isolation_level,
+            max_partition_fetch_bytes=bus.max_message_bytes + 64 * 1024,
+            **options,
+        )
+
+    async def fetch(self, max_records: int = 500, timeout: float = 0.5) -> list[Record]:
+        if self.failure is not None:
+            raise self.failure
+        try:
+            batches = await self._consumer.getmany(timeout_ms=int(timeout * 1000),
+                                                   max_records=max_records)
+        except KafkaError as exc:
+            raise bus_error(exc, f"fetching {list(self.topics)}") from exc
+        return [
+            Record(r.topic, r.partition, r.offset, r.key, r.value, r.timestamp / 1000)
+            for records in batches.values() for r in records
+        ]
+
+    async def _wait_joined(self) -> None:
+        try:
+            await asyncio.wait_for(self.joined.wait(), self.bus.join_timeout)
+        except asyncio.TimeoutError:
+            raise BusError(f"no partitions assigned after {self.bus.join_timeout}s "
+                           f"(group {self.group!r})", retriable=True) from None
+
+    async def seek(self, topic: str, partition: int, offset: int) -> None:
+        await self._wait_joined()
+        tp = KafkaTP(topic, partition)
+        if tp not in self._consumer.assignment():
+            raise BusError(f"cannot seek {topic}[{partition}]: not assigned to this member; "
+                           f"it owns {sorted(self.assignment())}")
+        self._consumer.seek(tp, offset)
+
+    async def seek_to_time(self, timestamp: float) -> None:
+        """Seek each owned partition to its first record at or after ``timestamp``.
+
+        Partitions with no such record go to their end. Tansu answers "none" with offset 0
+        and timestamp -1, so a negative timestamp counts as none too.
+        """
+        await self._wait_joined()
+        owned = list(self._consumer.assignment())
+        if not owned:
+            return
+        try:
+            found = await self._consumer.offsets_for_times(
+                {tp: int(timestamp * 1000) for tp in owned})
+        except KafkaError as exc:
+            raise bus_error(exc, "looking up offsets by time") from exc
+        past_end = [tp for tp in owned if found.get(tp) is None or found[tp].timestamp < 0]
+        ends = await self.bus.end_offsets(past_end) if past_end else {}
+        for tp in owned:
+            self._consumer.seek(tp, ends[tp] if tp in ends else found[tp].offset)
+
+    def assignment(self) -> set[TopicPartition]:
+        return {(tp.topic, tp.partition) for tp in self._consumer.assignment()}
+
+    async def close(self) -> None:
+        try:
+            await self._consumer.stop()
+        except KafkaError as exc:
+            raise bus_error(exc, f"closing the consumer of {list(self.topics)}") from exc
+
+
+class _Rebalance(ConsumerRebalanceListener):
+    """Marks each join, and starts un-committed partitions at the true end if asked.
+
+    aiokafka's own "latest" reset uses ListOffsets, which Tansu gets wrong. aiokafka starts
+    fetching as soon as partitions are assigned, before this listener finishes, so the
+    partitions stay paused until they point at the right offset. aiokafka logs and drops
+    listener exceptions, so a failure is kept and raised by the member's next ``fetch``.
+    """
+
+    def __init__(self, member: KafkaConsumer):
+        self.member = member
+
+    async def on_partitions_revoked(self, revoked: Any) -> None:
+        self.member.joined.clear()
+        log.debug("kafka.partitions_revoked", group=self.member.group,
+                  partitions=sorted((tp.topic, tp.partition) for tp in revoked))
+
+    async def on_partitions_assigned(self, assigned: Any) -> None:
+        member = self.member
+        try:
+            if not member.from_beginning and assigned:
+                await member.start_uncommitted_at_end(list(assigned))
+        except Exception as exc:  # noqa: BLE001 - aiokafka would swallow it; fetch raises it
+            member.failure = bus_error(exc, f"positioning new partitions of {member.group!r}")
+            log.error("kafka.assignment_failed", group=member.group, error=str(exc))
+        finally:
+            member.joined.set()
+        log.debug("kafka.partitions_assigned", group=member.group,
+                  partitions=sorted((tp.topic, tp.partition) for tp in assigned))
+
+
+class KafkaConsumer(_Member):
+    """One member of a Kafka consumer group; offsets are committed only by :meth:`commit`."""
+
+    def __init__(self, bus: KafkaBus, group: str, topics: tuple[str, ...], *,
+                 from_beginning: bool):
+        super().__init__(bus, topics, group_id=group,
+                         auto_offset_reset="earliest" if from_beginning else "latest")
+        self.group = group
+        self.from_beginning = from_beginning
+
+    async def start(self) -> None:
+        """Subscribe, join, and return once the first assignment is in place.
+
+        aiokafka would wait for the join forever; a group that cannot settle (noida-db
+        keeps a crashed member as group leader for good) raises a retriable error instead.
+        """
+        try:
+            self._consumer.subscribe(list(self.topics), listener=_Rebalance(self))
+            await asyncio.wait_for(self._consumer.start(), self.bus.join_timeout)
+            await self._wait_joined()
+        except (KafkaError, BusError, asyncio.TimeoutError) as exc:
+            await self._consumer.stop()
+            if isinstance(exc, asyncio.TimeoutError):
+                raise BusError(
+                    f"group {self.group!r} gave no assignment within {self.bus.join_timeout}s "
+                    "(a member that crashed without leaving can block it until the broker "
+                    "expires it; noida-db never does)", retriable=True) from None
+            raise bus_error(exc, f"joining group {self.group!r}") from exc
+
+    async def start_uncommitted_at_end(self, assigned: list[KafkaTP]) -> None:
+        """Seek partitions without a committed offset to their high watermark."""
+        self._consumer.pause(*assigned)  # nothing from the wrong offset reaches fetch()
+        for attempt in range(5):
+            try:
+                committed = set()
+                for topic in {tp.topic for tp in assigned}:
+                    parts = await self.bus.committed(self.group, topic)
+                    committed.update(KafkaTP(topic, p) for p in parts)
+                fresh = [tp for tp in assigned if tp not in committed]
+                ends = await self.bus.end_offsets(fresh) if fresh else {}
+                break
+            except BusError as exc:
+                if not exc.retriable or attempt == 4:
+                    raise
+                await asyncio.sleep(0.2 * 2**attempt)
+        for tp, end in ends.items():
+            self._consumer.seek(tp, end)
+        self._consumer.resume(*assigned)
+
+    async def commit(self, offsets: Mapping[TopicPartition, int]) -> None:
+        """Commit offsets of the partitions this member still owns.
+
+        Offsets of partitions a rebalance moved away are dropped and logged, not raised:
+        their new owner resumes from the last commit (the at-least-once contract), and an
+        error here would crash the actor, whose restart rebalances the group again.
+        """
+        owned = self._consumer.assignment()
+        payload = {}
+        for (topic, partition), offset in offsets.items():
+            tp = KafkaTP(topic, partition)
+            if tp in owned:
+                payload[tp] = OffsetAndMetadata(offset, "")
+        if len(payload) < len(offsets):
+            log.info("kafka.commit_skipped_unowned", group=self.group,
+                     partitions=sorted(set(offsets) - {(tp.topic, tp.partition) for tp in payload}))
+        if not payload:
+            return
+        try:
+            await self._consumer.commit(payload)
+        except KafkaError as exc:
+            raise bus_error(exc, f"committing for group {self.group!r}") from exc
+
+
+class KafkaReader(_Member):
+    """Every partition of some topics, by manual assignment: no group, no join, no commits."""
+
+    group = ""
+
+    def __init__(self, bus: KafkaBus, topics: tuple[str, ...]):
+        super().__init__(bus, topics, group_id=None, auto_offset_reset="earliest")
+
+    async def start(self) -> None:
+        cluster = await self.bus._cluster()
+        missing = [t for t in self.topics if not cluster.partitions_for_topic(t)]
+        if missing:
+            raise BusError(f"cannot read unknown topics {missing}")
+        tps = [KafkaTP(t, p) for t in self.topics for p in sorted(cluster.partitions_for_topic(t))]
+        try:
+            await self._consumer.start()
+            self._consumer.assign(tps)
+        except KafkaError as exc:
+            await self._consumer.stop()
+            raise bus_error(exc, f"starting a reader of {list(self.topics)}") from exc
+        self.joined.set()
+
+    async def commit(self, offsets: Mapping[TopicPartition, int]) -> None:
+        raise BusError("a reader has no group and cannot commit")

@@ -1,0 +1,40 @@
+"""Environments: the async text-environment API, its guards, and the built-in task family.
+
+- :mod:`.base`: :class:`Env`, :class:`StepResult`, :func:`guarded_step` / :func:`guarded_reset`
+  (timeouts, exceptions and oversized observations become :class:`EnvFailure` values) and the
+  registry :func:`make_env` (``"workshop"``, ``"gym:<id>"``).
+- :mod:`.workshop`: the long-horizon workshop family the quickstart trains on.
+- :mod:`.gym_adapter`: Gymnasium environments with text observations/actions.
+"""
+
+from .base import (
+    MAX_OBSERVATION_CHARS,
+    Env,
+    EnvFailure,
+    StepResult,
+    guarded_reset,
+    guarded_step,
+    make_env,
+    register_env,
+    registered_envs,
+)
+from .workshop import (
+    ACTION_WORDS,
+    ACTIONS,
+    FARMING_ACTIONS,
+    ITEMS,
+    RECIPES,
+    VOCAB,
+    WorkshopConfig,
+    WorkshopEnv,
+    lower_bound_steps,
+    oracle_action,
+    parse_observation,
+)
+
+__all__ = [
+    "ACTIONS", "ACTION_WORDS", "Env", "EnvFailure", "FARMING_ACTIONS", "ITEMS",
+    "MAX_OBSERVATION_CHARS", "RECIPES", "StepResult", "VOCAB", "WorkshopConfig", "WorkshopEnv",
+    "guarded_reset", "guarded_step", "lower_bound_steps", "make_env", "oracle_action",
+    "parse_observation", "register_env", "registered_envs",
+]

@@ -1,0 +1,160 @@
+"""The async environment API every Gyre environment implements, and the guards around it.
+
+The sampler runs many environments concurrently on one event loop, so the API is async: a
+slow tool call (``await asyncio.sleep`` inside ``step``, or a blocking call pushed to a
+thread) blocks only its own trajectory. :func:`guarded_step` / :func:`guarded_reset` wrap a
+call in a timeout and turn every way it can go wrong into an :class:`EnvFailure` value (which
+the sampler publishes as an ``env-error`` event and ends the trajectory truncated) instead of
+an exception that would kill the sampler, or a silent zero reward.
+
+Episode semantics (Gymnasium's): ``done`` means the task itself ended (all sub-tasks done, or
+an unrecoverable failure); ``truncated`` means it was cut by the step cap or a timeout. The
+episode is over when either is true (:attr:`StepResult.over`); ``success`` is the verifiable
+outcome and is final once the episode is over.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from schemas.events import MAX_TEXT_CHARS, Milestone
+
+#: Default upper bound on an observation's length; longer ones are reported, never cut silently.
+MAX_OBSERVATION_CHARS = MAX_TEXT_CHARS
+
+FailureKind = Literal["timeout", "exception", "oversized-observation"]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What the environment answered to one action.
+
+    ``feedback`` is the raw environment signal (e.g. the score delta, plus whatever the
+    environment pays for its own reasons); it is *not* the training reward: the arbiter
+    builds that from outcome, milestones and guards. ``milestones`` are only those newly
+    reached at this step, each proven by a fact about environment state.
+    """
+
+    observation: str
+    feedback: float
+    done: bool
+    truncated: bool
+    success: bool
+    score: float
+    milestones: tuple[Milestone, ...] = ()
+    state_changed: bool = False
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def over(self) -> bool:
+        """The episode ended (task done, or cut by the step cap)."""
+        return self.done or self.truncated
+
+
+@dataclass(frozen=True)
+class EnvFailure:
+    """A step or reset that did not produce a usable answer (maps to ``EnvError``)."""
+
+    kind: FailureKind
+    message: str
+
+
+class Env(abc.ABC):
+    """An environment with text observations and text actions.
+
+    One instance runs one episode at a time; the sampler owns many instances. ``reset`` and
+    ``step`` may await (tool latency); they must never block the event loop with synchronous
+    work that can take long (push it to a thread, see the Gymnasium adapter).
+    """
+
+    #: Episode step cap: the step that reaches it returns ``truncated=True``.
+    max_steps: int
+
+    @abc.abstractmethod
+    async def reset(self, task_id: str, seed: int) -> str:
+        """Start the episode identified by ``(task_id, seed)``; return the first observation."""
+
+    @abc.abstractmethod
+    async def step(self, action: str) -> StepResult:
+        """Apply one action (free text) and return the environment's answer."""
+
+    def admissible_actions(self) -> list[str]:
+        """Actions that are meaningful now; ``[]`` when the environment cannot say."""
+        return []
+
+    async def close(self) -> None:
+        """Release resources (processes, sockets). Idempotent."""
+
+
+async def _guarded(coro: Any, timeout_s: float, max_chars: int, what: str) -> Any:
+    try:
+        result = await asyncio.wait_for(coro, timeout_s)
+    except TimeoutError:
+        return EnvFailure("timeout", f"{what} took longer than {timeout_s:g}s")
+    except Exception as exc:  # noqa: BLE001 - every env error becomes a value (not cancel)
+        return EnvFailure("exception", f"{what} raised {type(exc).__name__}: {exc}")
+    observation = result.observation if isinstance(result, StepResult) else result
+    if not isinstance(observation, str):
+        return EnvFailure("exception", f"{what} returned a {type(observation).__name__} "
+                                       "observation, expected str")
+    if len(observation) > max_chars:
+        return EnvFailure("oversized-observation",
+                          f"{what} returned an observation of {len(observation)} characters "
+                          f"(limit {max_chars})")
+    return result
+
+
+async def guarded_step(env: Env, action: str, timeout_s: float, *,
+                       max_observation_chars: int = MAX_OBSERVATION_CHARS
+                       ) -> StepResult | EnvFailure:
+    """``env.step(action)`` bounded by ``timeout_s``; failures come back as values.
+
+    Uses ``asyncio.wait_for``, so a hung step only holds up the coroutine awaiting it; other
+    environments' steps on the same loop proceed. Cancellation of the caller still propagates.
+    """
+    return await _guarded(env.step(action), timeout_s, max_observation_chars, "step")
+
+
+async def guarded_reset(env: Env, task_id: str, seed: int, timeout_s: float, *,
+                        max_observation_chars: int = MAX_OBSERVATION_CHARS) -> str | EnvFailure:
+    """``env.reset(task_id, seed)`` bounded by ``timeout_s``; failures come back as values."""
+    return await _guarded(env.reset(task_id, seed), timeout_s, max_observation_chars, "reset")
+
+
+# --------------------------------------------------------------------------------------------
+# Registry: environments are named in config ("workshop", "gym:CartPole-v1"), built here.
+
+_REGISTRY: dict[str, Callable[..., Env]] = {}
+
+
+def register_env(name: str, factory: Callable[..., Env]) -> None:
+    """Make ``make_env(name, **config)`` call ``factory(**config)``."""
+    _REGISTRY[name] = factory
+
+
+def make_env(name: str, **config: Any) -> Env:
+    """Build an environment by name.
+
+    ``"gym:<id>"`` wraps ``gymnasium.make(<id>)`` in
+    :class:`~gyre_async.envs.gym_adapter.GymTextEnv` (config goes to the adapter,
+    ``make_kwargs`` to ``gymnasium.make``).
+    """
+    if name.startswith("gym:"):
+        from .gym_adapter import make_gym_env
+
+        return make_gym_env(name[len("gym:"):], **config)
+    try:
+        factory = _REGISTRY[name]
+    except KeyError:
+        known = ", ".join(sorted(_REGISTRY)) or "none"
+        raise ValueError(f"unknown environment {name!r}; registered: {known}; "
+                         "or use 'gym:<gymnasium id>'") from None
+    return factory(**config)
+
+
+def registered_envs() -> list[str]:
+    return sorted(_REGISTRY)

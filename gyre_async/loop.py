@@ -1,0 +1,168 @@
+"""``gyre run``: the whole gyre in one process — sample -> score -> update -> sample again.
+
+All roles run as actors on one event loop, over the embedded bus in the run directory,
+exactly as they would run one process per role (``gyre actor ROLE``). The progress display
+is a subscriber like any monitor: it reads the bus, nothing else. The run ends when the
+learner's final version has been evaluated (``learner.max_versions``), when validation
+reaches ``loop.target_success``, or at ``loop.max_wall_s`` / ``loop.max_env_steps``.
+At the end the run directory holds the event log, segment store, checkpoints,
+``metrics.jsonl``, ``learning_curve.png`` and ``summary.json``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+
+import msgspec
+import structlog
+
+from schemas import decode
+from schemas.config import Config
+from schemas.events import EvalResult, Heartbeat, PolicyVersion, SegmentClosed
+from schemas.topics import ALL_TOPICS, EVAL, POLICY_VERSION, SEGMENT_CLOSED, TELEMETRY
+
+from .actor import ActorRunner
+from .runlog import load_runlog, plot_learning_curve, summarize, write_metrics
+from .runtime import install_stop_signals, open_run_bus
+from .topology import RUN_ROLES, build_actor
+
+log = structlog.get_logger(__name__)
+
+
+class Progress:
+    """Live numbers from the bus: episodes, success, return, staleness, steps/s."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.started = time.monotonic()
+        self.episodes = self.successes = self.steps = 0
+        self.version = -1
+        self.staleness = 0.0
+        self.last_eval: EvalResult | None = None
+        self.first_eval: EvalResult | None = None
+        self.final_version = -1
+        self.evaluated: set[int] = set()
+        self.recent: list[float] = []
+        self._live = None
+
+    def fold(self, event) -> None:
+        match event:
+            case SegmentClosed():
+                self.steps += event.step_end - event.step_start
+                if event.trajectory_done:
+                    self.episodes += 1
+                    self.successes += int(event.success)
+                    self.recent = (self.recent + [float(event.success)])[-100:]
+            case PolicyVersion():
+                self.version = max(self.version, event.version)
+                self.staleness = event.metrics.get("charts/max_staleness_seen", self.staleness)
+                if event.metrics.get("final", 0.0) > 0:
+                    self.final_version = event.version
+            case EvalResult():
+                self.first_eval = self.first_eval or event
+                self.last_eval = event
+                self.evaluated.add(event.policy_version)
+            case Heartbeat():
+                pass
+
+    @property
+    def final_eval_seen(self) -> bool:
+        return self.final_version >= 0 and self.final_version in self.evaluated
+
+    def line(self) -> str:
+        elapsed = time.monotonic() - self.started
+        ev = self.last_eval
+        recent = sum(self.recent) / len(self.recent) if self.recent else 0.0
+        return (f"[{elapsed:6.0f}s] v{self.version:<3d} episodes {self.episodes:<5d} "
+                f"train success(100) {recent:5.1%}  steps {self.steps:<7d} "
+                f"{self.steps / max(elapsed, 1e-9):6.0f} steps/s  staleness {self.staleness:.0f}  "
+                + (f"val success {ev.success_rate:5.1%} (v{ev.policy_version})" if ev else ""))
+
+    def start(self) -> None:
+        if self.enabled:
+            from rich.console import Console
+            from rich.live import Live
+
+            self._live = Live(self.line(), console=Console(stderr=True), refresh_per_second=2)
+            self._live.start()
+
+    def refresh(self) -> None:
+        if self._live is not None:
+            self._live.update(self.line())
+
+    def stop(self) -> None:
+        if self._live is not None:
+            self._live.update(self.line())
+            self._live.stop()
+
+
+async def _watch(bus, progress: Progress, stop: asyncio.Event, cfg: Config) -> None:
+    reader = await bus.reader([SEGMENT_CLOSED, POLICY_VERSION, EVAL, TELEMETRY])
+    last_print = 0.0
+    try:
+        while not stop.is_set():
+            for record in await reader.fetch(2000, 0.25):
+                progress.fold(decode(record.topic, record.value, 1 << 40))
+            progress.refresh()
+            now = time.monotonic()
+            if not progress.enabled and now - last_print > 10:
+                last_print = now
+                log.info("progress", line=progress.line())
+            L = cfg.loop
+            if progress.final_eval_seen:
+                stop.set()
+            elif L.target_success and progress.last_eval and \
+                    progress.last_eval.success_rate >= L.target_success:
+                stop.set()
+            elif L.max_env_steps and progress.steps >= L.max_env_steps:
+                stop.set()
+            elif L.max_wall_s and now - progress.started >= L.max_wall_s:
+                stop.set()
+    finally:
+        await reader.close()
+
+
+async def run_loop(cfg: Config, *, bus_override: str | None = None, progress: bool = True,
+                   roles: tuple[str, ...] = RUN_ROLES) -> dict:
+    run_dir = cfg.run.run_dir
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, "config.json"), "wb") as f:
+        f.write(msgspec.json.format(msgspec.json.encode(cfg), indent=2))
+    started = time.monotonic()
+    shown = Progress(progress)
+    async with open_run_bus(cfg, bus_override) as bus:
+        await bus.create_topics(ALL_TOPICS, cfg.bus.partitions)
+        runners = [ActorRunner(build_actor(role, cfg), bus, run_id=cfg.run.run_id, name=role,
+                               partitions=cfg.bus.partitions) for role in roles]
+        stop = asyncio.Event()
+        install_stop_signals(stop.set)
+        tasks = [asyncio.create_task(r.run(), name=r.name) for r in runners]
+        watcher = asyncio.create_task(_watch(bus, shown, stop, cfg))
+        shown.start()
+        try:
+            stopper = asyncio.create_task(stop.wait())
+            done, _ = await asyncio.wait([*tasks, stopper], return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                if task is not stopper and task.exception() is not None:
+                    raise task.exception()  # an actor crashed: surface it, loudly
+        finally:
+            stop.set()
+            for r in runners:
+                r.stop()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(watcher, return_exceptions=True)
+            shown.stop()
+        runlog = await load_runlog(bus)
+    wall = time.monotonic() - started
+    write_metrics(runlog, os.path.join(run_dir, "metrics.jsonl"))
+    plot_learning_curve(runlog, os.path.join(run_dir, "learning_curve.png"),
+                        title=f"Gyre run {cfg.run.run_id} ({cfg.run.mode})")
+    summary = summarize(runlog, wall)
+    summary["run_dir"] = os.path.abspath(run_dir)
+    summary["mode"] = cfg.run.mode
+    with open(os.path.join(run_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    return summary

@@ -1,0 +1,34 @@
+"""Policies: tokenizers, bounded contexts, the policy interface and its backends.
+
+Pure library code (no bus, no asyncio): the sampler calls :meth:`Policy.act_batch` from a
+worker thread, the learner calls :meth:`Policy.evaluate`. Backends: :class:`TorchPolicy`
+(the tiny transformer, default), ``hf_policy.HFPolicy`` (a local Hugging Face causal LM,
+needs ``transformers``) and ``vllm_policy.VLLMPolicy`` (acting only, needs ``vllm``).
+"""
+
+from .base import (
+    Action,
+    CheckpointMismatch,
+    EvalOutput,
+    Policy,
+    SamplingParams,
+    read_checkpoint,
+    write_atomic,
+)
+from .context import ContextBuilder, summarize_milestones
+from .tokenizer import (
+    SPECIAL_TOKENS,
+    BaseTokenizer,
+    ByteTokenizer,
+    WordTokenizer,
+    tokenizer_for_env,
+    tokenizer_from_json,
+)
+from .torch_policy import CausalLMPolicy, ModelConfig, TinyTransformer, TorchPolicy
+
+__all__ = [
+    "Action", "BaseTokenizer", "ByteTokenizer", "CausalLMPolicy", "CheckpointMismatch",
+    "ContextBuilder", "EvalOutput", "ModelConfig", "Policy", "SPECIAL_TOKENS", "SamplingParams",
+    "TinyTransformer", "TorchPolicy", "WordTokenizer", "read_checkpoint", "tokenizer_for_env",
+    "summarize_milestones", "tokenizer_from_json", "write_atomic",
+]

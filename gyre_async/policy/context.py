@@ -1,0 +1,94 @@
+"""Bounded context windows: what the policy sees at one step of a very long trajectory.
+
+A trajectory may run for thousands of steps; the policy's context must not grow with it.
+A context is, in this order::
+
+    <bos> [<sum> milestone summary] [<obs> o <act> a] * (newest turns that fit) <obs> o_t <act>
+
+It ends with ``<act>``: the policy generates the action right after it. Only the last
+``history_turns`` turns are ever looked at, so building costs O(history_turns), not
+O(trajectory length). When the window is too small, the oldest material goes first:
+
+1. the current observation always stays (if it alone is too long, its oldest words go);
+2. the summary gets at most ``summary_max_tokens`` (its newest tokens are kept), when room
+   is left after the current observation;
+3. the rest is filled with whole turns, newest first (a turn that does not fit whole is
+   dropped, never cut in half).
+
+The same inputs always give the same tokens (the sampler records them in ``TrajectoryStep``
+and the learner re-evaluates exactly those).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .tokenizer import BaseTokenizer
+
+
+class ContextBuilder:
+    """Build bounded token contexts from observations, recent turns and a summary."""
+
+    def __init__(self, tokenizer: BaseTokenizer, max_tokens: int, history_turns: int,
+                 summary_max_tokens: int | None = None):
+        if history_turns < 0:
+            raise ValueError("ContextBuilder: history_turns must be >= 0")
+        self.tokenizer = tokenizer
+        self.max_tokens = max_tokens
+        self.history_turns = history_turns
+        self.summary_max_tokens = (max_tokens // 4 if summary_max_tokens is None
+                                   else summary_max_tokens)
+        self._bos, self._obs, self._act, self._sum = (tokenizer.marker(m) for m in
+                                                      ("bos", "obs", "act", "sum"))
+        fixed = len(self._bos) + len(self._obs) + len(self._act)
+        if max_tokens < fixed + 1:
+            raise ValueError(f"ContextBuilder: max_tokens must be >= {fixed + 1} (the markers "
+                             "plus one observation token)")
+
+    def turn(self, observation: str, action: str) -> list[int]:
+        """Tokens of one past turn: ``<obs> observation <act> action``."""
+        t = self.tokenizer
+        return [*self._obs, *t.encode(observation), *self._act, *t.encode(action)]
+
+    def build(self, current_observation: str, history: Sequence[tuple[str, str]] = (),
+              milestone_summary: str = "") -> list[int]:
+        """The context for choosing the next action; never longer than ``max_tokens``.
+
+        ``history`` holds (observation, action) pairs, oldest first; only its tail is read.
+        """
+        t = self.tokenizer
+        room = self.max_tokens - len(self._bos)
+        obs = t.encode(current_observation)
+        obs = obs[max(0, len(obs) - (room - len(self._obs) - len(self._act))):]
+        current = [*self._obs, *obs, *self._act]
+        room -= len(current)
+        summary: list[int] = []
+        budget = min(room, self.summary_max_tokens) - len(self._sum)
+        if milestone_summary and budget > 0:
+            body = t.encode(milestone_summary)
+            summary = [*self._sum, *body[max(0, len(body) - budget):]]
+            room -= len(summary)
+        turns: list[list[int]] = []
+        if self.history_turns:
+            n = len(history)  # index from the end: O(1) for lists, tuples and deques
+            for i in range(n - 1, max(0, n - self.history_turns) - 1, -1):
+                observation, action = history[i]
+                tokens = self.turn(observation, action)
+                if len(tokens) > room:
+                    break
+                turns.append(tokens)
+                room -= len(tokens)
+        out = [*self._bos, *summary]
+        for tokens in reversed(turns):
+            out.extend(tokens)
+        out.extend(current)
+        return out
+
+
+def summarize_milestones(names: Sequence[str], last: int = 4) -> str:
+    """A short milestone summary for :meth:`ContextBuilder.build`: the newest ``last`` names.
+
+    ``["craft:axe#1", "craft:saw#2"]`` -> ``"done craft:axe#1 craft:saw#2"`` (every piece of
+    workshop milestone names is in the workshop vocabulary). Bounded like the context itself.
+    """
+    return " ".join(["done", *names[-last:]]) if names else ""

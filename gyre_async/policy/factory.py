@@ -1,0 +1,55 @@
+"""Building the run's policy from config, and moving its weights through checkpoints.
+
+One place decides the tokenizer, the model shape and the action vocabulary, so every role
+(sampler, learner, evaluator) builds byte-identical policies and any checkpoint fits all.
+"""
+
+from __future__ import annotations
+
+from schemas.config import Config
+
+from ..storage.checkpoints import VERSION_KEY, CheckpointStore
+from .base import Policy
+from .tokenizer import BaseTokenizer, tokenizer_for_env
+from .torch_policy import ModelConfig, TorchPolicy
+
+
+def build_tokenizer(cfg: Config) -> BaseTokenizer:
+    return tokenizer_for_env(cfg.task.env)
+
+
+def action_token_ids(cfg: Config, tokenizer: BaseTokenizer) -> tuple[int, ...]:
+    """Token ids the policy may generate (empty: any token)."""
+    if not cfg.policy.constrain_actions or cfg.task.env != "workshop":
+        return ()
+    from gyre_async.envs.workshop import ACTION_WORDS
+
+    return tuple(sorted({i for w in ACTION_WORDS for i in tokenizer.encode(w)}))
+
+
+def build_policy(cfg: Config, tokenizer: BaseTokenizer | None = None) -> TorchPolicy:
+    tokenizer = tokenizer or build_tokenizer(cfg)
+    P = cfg.policy
+    config = ModelConfig(
+        vocab_size=tokenizer.vocab_size, d_model=P.d_model, n_layers=P.n_layers,
+        n_heads=P.n_heads, max_len=P.context_tokens + P.max_action_tokens + 1,
+        action_token_ids=action_token_ids(cfg, tokenizer),
+    )
+    return TorchPolicy(config, tokenizer, seed=cfg.run.seed)
+
+
+def save_weights(store: CheckpointStore, policy: Policy, version: int,
+                 extra: dict[str, str] | None = None):
+    """Write the policy's weights as version ``version``; returns the CheckpointRef."""
+    meta = {k: v for k, v in policy.checkpoint_metadata().items() if k != "version"}
+    meta.update(extra or {})
+    meta.pop(VERSION_KEY, None)
+    tensors = {k: v.detach().contiguous() for k, v in policy.state_dict().items()}
+    return store.save(version, tensors, meta)
+
+
+def load_weights(policy: Policy, address: str, sha256: str) -> None:
+    """Load a published checkpoint into ``policy`` (hash verified before use)."""
+    directory = address.rsplit("/", 1)[0]
+    tensors, _meta = CheckpointStore(directory).load(address, sha256)
+    policy.load_state_dict(tensors)

@@ -1,0 +1,252 @@
+"""Bus throughput: events published AND consumed per second, per backend.
+
+Each run publishes N real ``trajectory-step`` events (48 context tokens, 3 action tokens,
+keyed by 64 trajectory ids, encoded with ``schemas.encode``) in batches, while one consumer
+reads them all; the clock runs from the first publish to the last record consumed. Runs:
+
+- ``embedded``: Gyre's SQLite log (``sqlite:///<tmp>/events.db``);
+- ``kafka``: Gyre's KafkaBus;
+- ``raw_aiokafka``: plain AIOKafkaProducer/AIOKafkaConsumer doing the same work (``send`` all
+  of a batch then await the futures, ``getmany`` to consume) with the *same* producer
+  settings as KafkaBus, on the same broker — the ceiling KafkaBus is measured against.
+
+The machine is noisy, so kafka and raw runs alternate (raw, kafka, raw-send, raw, kafka,
+...) and the best of each is reported; ``raw_aiokafka_eps`` is the raw run that batches
+exactly as KafkaBus does (one record batch per partition), and the textbook ``send()`` per
+message variant is printed for comparison. A noida-db broker is started through ``ops/brokers.py`` unless
+``--bus kafka://...`` names one. The last line of output is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+import zlib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # run as a script: make `ops` and the packages importable
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer  # noqa: E402
+
+from gyre_async.bus import open_bus  # noqa: E402
+from gyre_async.bus.kafka import KafkaBus  # noqa: E402
+from gyre_async.logs import configure_logging  # noqa: E402
+from schemas import encode, event_id  # noqa: E402
+from schemas.events import TrajectoryStep  # noqa: E402
+
+PARTITIONS = 4
+TRAJECTORIES = 64
+
+
+def progress(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def make_events(n: int, seed: int = 0) -> list[tuple[bytes, bytes]]:
+    """``n`` encoded trajectory steps, round-robin over 64 trajectories, keyed by trajectory."""
+    rng = random.Random(seed)
+    out = []
+    steps = [0] * TRAJECTORIES
+    for i in range(n):
+        t = i % TRAJECTORIES
+        traj = f"traj-{t:04d}-{seed}"
+        ev = TrajectoryStep(
+            event_id=event_id("bench", traj, steps[t]), run_id="bench-bus",
+            producer="rollout-0", key=traj, trajectory_id=traj, task_id=f"task-{t % 8}",
+            step_index=steps[t], policy_version=3,
+            context_tokens=[rng.randrange(32000) for _ in range(48)],
+            action_tokens=[rng.randrange(32000) for _ in range(3)],
+            action_logprobs=[-rng.random() * 3 for _ in range(3)],
+            action_text="move north", observation_ref=f"obs/{traj}/{steps[t]}",
+            feedback=rng.random(), tool_latency_s=0.01,
+        )
+        steps[t] += 1
+        out.append((traj.encode(), encode(ev)))
+    return out
+
+
+def batches(events: list, size: int) -> list[list]:
+    return [events[i:i + size] for i in range(0, len(events), size)]
+
+
+async def _timed(publish_all, consume_all) -> float:
+    """Seconds from the first publish to the last record consumed, consumer already ready."""
+    t0 = time.perf_counter()
+    consumer = asyncio.ensure_future(consume_all())
+    await publish_all()
+    await consumer
+    return time.perf_counter() - t0
+
+
+async def run_gyre(url: str, events: list, batch: int, fetch: int) -> float:
+    """Events/s through Gyre's bus at ``url`` (embedded or Kafka)."""
+    topic, group = f"bench-{uuid.uuid4().hex[:8]}", f"bench-{uuid.uuid4().hex[:8]}"
+    async with open_bus(url) as bus:
+        await bus.create_topics([topic], PARTITIONS)
+        consumer = await bus.consumer(group, [topic])
+        try:
+            async def publish_all() -> None:
+                for chunk in batches(events, batch):
+                    await bus.publish(topic, chunk)
+
+            async def consume_all() -> None:
+                seen = 0
+                while seen < len(events):
+                    seen += len(await consumer.fetch(fetch, 0.5))
+
+            secs = await _timed(publish_all, consume_all)
+        finally:
+            await consumer.close()
+    return len(events) / secs
+
+
+async def run_raw(url: str, events: list, batch: int, fetch: int, mode: str = "batch") -> float:
+    """Events/s through plain aiokafka, with KafkaBus's producer settings.
+
+    ``mode="batch"`` does what KafkaBus does, by hand: one ``create_batch`` per partition
+    (CRC32 of the key), ``send_batch``, await the futures. ``mode="send"`` is the textbook
+    way: ``send()`` every message of the batch, then await all futures.
+    """
+    topic, group = f"bench-{uuid.uuid4().hex[:8]}", f"bench-{uuid.uuid4().hex[:8]}"
+    async with open_bus(url) as bus:  # for topic creation and the shared settings only
+        assert isinstance(bus, KafkaBus)
+        await bus.create_topics([topic], PARTITIONS)
+        producer = AIOKafkaProducer(**bus.producer_config(idempotent=bool(bus.idempotent)))
+        consumer = AIOKafkaConsumer(
+            topic, **bus.connection_config(),
+            group_id=group, enable_auto_commit=False, auto_offset_reset="earliest",
+        )
+        await producer.start()
+        await consumer.start()
+        try:
+            async def publish_batches(chunk: list) -> list:
+                builders: dict = {}
+                futures = []
+                for key, value in chunk:
+                    part = zlib.crc32(key) % PARTITIONS
+                    b = builders.get(part)
+                    if b is None:
+                        b = builders[part] = producer.create_batch()
+                    if b.append(key=key, value=value, timestamp=None) is None:
+                        futures.append(await producer.send_batch(b, topic, partition=part))
+                        b = builders[part] = producer.create_batch()
+                        b.append(key=key, value=value, timestamp=None)
+                for part, b in builders.items():
+                    futures.append(await producer.send_batch(b, topic, partition=part))
+                return futures
+
+            async def publish_all() -> None:
+                for chunk in batches(events, batch):
+                    if mode == "batch":
+                        futures = await publish_batches(chunk)
+                    else:
+                        futures = [await producer.send(topic, value, key=key)
+                                   for key, value in chunk]
+                    await asyncio.gather(*futures)
+
+            async def consume_all() -> None:
+                seen = 0
+                while seen < len(events):
+                    got = await consumer.getmany(timeout_ms=500, max_records=fetch)
+                    seen += sum(len(records) for records in got.values())
+
+            secs = await _timed(publish_all, consume_all)
+        finally:
+            await consumer.stop()
+            await producer.stop()
+    return len(events) / secs
+
+
+async def bench(args: argparse.Namespace, kafka_url: str) -> dict:
+    progress(f"building {args.events} trajectory-step events ...")
+    events = make_events(args.events)
+    sizes = [len(v) for _, v in events]
+    progress(f"event size: mean {statistics.mean(sizes):.0f} B, "
+             f"min {min(sizes)} B, max {max(sizes)} B")
+    result: dict = {"bench": "bus", "embedded_eps": None, "kafka_eps": None,
+                    "raw_aiokafka_eps": None, "kafka_vs_raw": None}
+
+    if "embedded" in args.backends:
+        try:
+            from gyre_async.bus.embedded import EmbeddedBus  # noqa: F401
+        except ImportError as exc:
+            progress(f"embedded: skipped ({exc})")
+            result["embedded_eps"] = None
+        else:
+            with tempfile.TemporaryDirectory(prefix="gyre-bench-") as tmp:
+                eps = await run_gyre(f"sqlite:///{tmp}/events.db", events, args.batch, args.fetch)
+            progress(f"embedded: {eps:,.0f} events/s")
+            result["embedded_eps"] = round(eps)
+
+    if "kafka" in args.backends:
+        runs: dict[str, list[float]] = {"raw": [], "kafka": [], "raw_send": []}
+        variants = (("raw", lambda *a: run_raw(*a, mode="batch")), ("kafka", run_gyre),
+                    ("raw_send", lambda *a: run_raw(*a, mode="send")))
+        for r in range(args.rounds):
+            for label, fn in variants:
+                eps = await fn(kafka_url, events, args.batch, args.fetch)
+                runs[label].append(eps)
+                progress(f"round {r + 1}/{args.rounds} {label}: {eps:,.0f} events/s")
+        for label in runs:
+            progress(f"{label}: best {max(runs[label]):,.0f}, "
+                     f"median {statistics.median(runs[label]):,.0f} events/s")
+        best_raw, best_kafka = max(runs["raw"]), max(runs["kafka"])
+        progress(f"kafka vs raw aiokafka (same batching), best of each: "
+                 f"{best_kafka / best_raw:.3f}; vs raw send() per message: "
+                 f"{best_kafka / max(runs['raw_send']):.3f}")
+        result.update(kafka_eps=round(best_kafka), raw_aiokafka_eps=round(best_raw),
+                      kafka_vs_raw=round(best_kafka / best_raw, 3))
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python ops/bench/bus.py",
+        description="Bus throughput (events published and consumed per second) for the "
+                    "embedded backend, Gyre's Kafka backend and raw aiokafka on the same "
+                    "broker. Prints progress, then one JSON line.",
+    )
+    parser.add_argument("--events", type=int, default=200_000, help="events per run")
+    parser.add_argument("--bus", default=None,
+                        help="kafka://host:port of a running broker (default: start noida-db)")
+    parser.add_argument("--broker", choices=("noida", "tansu"), default="noida",
+                        help="broker to start when --bus is not given")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="alternations of raw, kafka and raw-send() runs (best is kept)")
+    parser.add_argument("--batch", type=int, default=1000, help="events per publish call")
+    parser.add_argument("--fetch", type=int, default=1000, help="max records per fetch")
+    parser.add_argument("--backends", default="embedded,kafka",
+                        help="comma list of: embedded, kafka (kafka includes raw aiokafka)")
+    args = parser.parse_args(argv)
+    args.backends = set(args.backends.split(","))
+
+    configure_logging("WARNING", json=False)  # progress lines only, no per-join logs
+    with tempfile.TemporaryDirectory(prefix="gyre-bench-broker-") as data_dir:
+        broker = None
+        kafka_url = args.bus
+        if kafka_url is None and "kafka" in args.backends:
+            from ops.brokers import start_broker
+
+            broker = start_broker(args.broker, data_dir=data_dir)
+            kafka_url = broker.url
+            progress(f"started {args.broker} broker at {broker.bootstrap} (pid {broker.pid})")
+        try:
+            result = asyncio.run(bench(args, kafka_url))
+        finally:
+            if broker is not None:
+                broker.stop()
+                progress(f"stopped {args.broker} broker")
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,152 @@
+"""Checkpoint store: round trips, idempotence, corruption, atomicity, other processes."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gyre_async.storage.checkpoints import CheckpointStore
+from gyre_async.storage.errors import CheckpointCorrupt, CheckpointError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def weights(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "embed.weight": torch.randn(32, 8, generator=g),
+        "head.weight": torch.randn(8, 32, generator=g).to(torch.bfloat16),
+        "head.bias": torch.zeros(32, dtype=torch.float16),
+        "step": torch.tensor(seed, dtype=torch.int64),
+        "transposed": torch.randn(4, 6, generator=g).t(),  # non-contiguous input
+    }
+
+
+def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert sorted(got) == sorted(want)
+    for name, w in want.items():
+        assert got[name].dtype == w.dtype and got[name].shape == w.shape, name
+        assert torch.equal(got[name], w), name
+
+
+def test_round_trip(tmp_path):
+    store = CheckpointStore(str(tmp_path / "ckpt"))
+    w = weights(1)
+    ref = store.save(7, w, {"parent": "6", "why": "update"})
+    path = Path(ref.address.removeprefix("file://"))
+    assert path.name == f"v{7:012d}-{ref.sha256}.safetensors"
+    assert ref.sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert ref.version == 7
+    tensors, meta = store.load(ref.address, ref.sha256)
+    assert_same(tensors, w)
+    assert meta == {"parent": "6", "why": "update"}
+    # A plain path and another store instance load the same address.
+    assert_same(CheckpointStore(f"file://{tmp_path / 'ckpt'}").load(str(path), ref.sha256)[0], w)
+
+
+def test_tied_weights_are_saved_as_copies(tmp_path):
+    store = CheckpointStore(str(tmp_path / "ckpt"))
+    shared = torch.arange(4.0)
+    ref = store.save(1, {"embed": shared, "unembed": shared})
+    tensors, _ = store.load(ref.address, ref.sha256)
+    assert torch.equal(tensors["embed"], shared) and torch.equal(tensors["unembed"], shared)
+
+
+def test_bytes_are_deterministic_across_processes(tmp_path):
+    meta = {k: k for k in "qwertyuiop"}
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[2]); from test_checkpoints import weights;"
+        "from gyre_async.storage.checkpoints import CheckpointStore;"
+        f"print(CheckpointStore(sys.argv[1]).save(5, weights(3), {meta!r}).sha256)"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    other = subprocess.run([sys.executable, "-c", code, str(tmp_path / "other"), str(ROOT / "tests")],
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=True)
+    here = CheckpointStore(str(tmp_path / "here")).save(5, weights(3), meta)
+    assert here.sha256 == other.stdout.strip()
+
+
+def test_save_is_idempotent_and_never_overwrites(tmp_path):
+    store = CheckpointStore(str(tmp_path / "ckpt"))
+    first = store.save(3, weights(1), {"a": "b"})
+    assert store.save(3, weights(1), {"a": "b"}) == first
+    # A re-trained version 3 (different bytes) gets its own file; the first stays intact.
+    second = store.save(3, weights(2), {"a": "b"})
+    assert second.address != first.address
+    assert_same(store.load(first.address, first.sha256)[0], weights(1))
+    assert [r.address for r in store.list()] == [first.address, second.address]
+    assert not [p for p in (tmp_path / "ckpt").iterdir() if p.name.startswith(".tmp")]
+
+
+def test_latest_and_list(tmp_path):
+    store = CheckpointStore(str(tmp_path / "ckpt"))
+    assert store.latest() is None and store.list() == []
+    refs = [store.save(v, weights(v)) for v in (2, 10, 1)]
+    assert [r.version for r in store.list()] == [1, 2, 10]
+    assert store.latest() == refs[1]
+    (tmp_path / "ckpt" / "notes.txt").write_text("ignored")
+    store.delete(refs[1].address)
+    assert store.latest() == refs[0]
+    store.delete(refs[1].address)  # already gone: fine
+
+
+def test_corrupted_file_is_detected(tmp_path):
+    store = CheckpointStore(str(tmp_path / "ckpt"))
+    ref = store.save(1, weights(1))
+    path = Path(ref.address.removeprefix("file://"))
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointCorrupt) as err:
+        store.load(ref.address, ref.sha256)
+    message = str(err.value)
+    assert str(path) in message and ref.sha256 in message
+    assert hashlib.sha256(bytes(data)).hexdigest() in message
+
+
+def test_wrong_expected_hash_and_missing_file(tmp_path):
+    store = CheckpointStore(str(tmp_path / "ckpt"))
+    ref = store.save(1, weights(1))
+    with pytest.raises(CheckpointCorrupt, match="does not match expected 0{64}"):
+        store.load(ref.address, "0" * 64)
+    store.delete(ref.address)
+    with pytest.raises(CheckpointError, match="does not exist"):
+        store.load(ref.address, ref.sha256)
+
+
+def test_failed_save_leaves_nothing(tmp_path):
+    store = CheckpointStore(str(tmp_path / "ckpt"))
+    with pytest.raises(ValueError, match="safetensors code"):
+        store.save(1, {"ok": torch.zeros(3), "z": torch.zeros(2, dtype=torch.complex64)})
+    assert list((tmp_path / "ckpt").iterdir()) == []
+    with pytest.raises(ValueError, match="reserved"):
+        store.save(1, weights(1), {"gyre.version": "9"})
+    with pytest.raises(ValueError, match="version"):
+        store.save(-1, weights(1))
+
+
+LOADER = """
+import sys, torch
+from gyre_async.storage.checkpoints import CheckpointStore
+tensors, meta = CheckpointStore(sys.argv[1]).load(sys.argv[2], sys.argv[3])
+print(meta["why"], float(tensors["embed.weight"].double().sum()))
+"""
+
+
+def test_load_in_another_process(tmp_path):
+    store = CheckpointStore(str(tmp_path / "ckpt"))
+    w = weights(4)
+    ref = store.save(4, w, {"why": "rollback"})
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", LOADER, store.url, ref.address, ref.sha256],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    why, total = proc.stdout.split()
+    assert why == "rollback"
+    assert float(total) == pytest.approx(float(w["embed.weight"].double().sum()))

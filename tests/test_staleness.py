@@ -1,0 +1,60 @@
+"""The staleness admission rule, every expected number worked out in a comment."""
+
+from __future__ import annotations
+
+import pytest
+
+from gyre_async.rl.staleness import StalenessGate
+
+
+def test_capacity_and_may_sample_with_staleness_2():
+    gate = StalenessGate(max_staleness=2, steps_per_version=100)
+    # capacity(v) = (v + 2 + 1) * 100
+    # v = 0: (0 + 3) * 100 = 300 -> steps 0..299 may be emitted, the 301st (n = 300) may not.
+    assert gate.capacity(0) == 300
+    assert gate.may_sample(0, 0)
+    assert gate.may_sample(299, 0)
+    assert not gate.may_sample(300, 0)
+    assert not gate.may_sample(1000, 0)
+    # v = 4: (4 + 3) * 100 = 700 -> 699 yes, 700 no.
+    assert gate.capacity(4) == 700
+    assert gate.may_sample(699, 4)
+    assert not gate.may_sample(700, 4)
+
+
+def test_synchronous_when_max_staleness_is_zero():
+    gate = StalenessGate(max_staleness=0, steps_per_version=8)
+    # capacity(v) = (v + 0 + 1) * 8: v = 0 -> 8 steps (n = 0..7), then wait for version 1.
+    assert gate.may_sample(7, 0)
+    assert not gate.may_sample(8, 0)
+    # v = 1: (1 + 1) * 8 = 16 -> n = 8..15 now allowed, 16 not.
+    assert gate.may_sample(8, 1)
+    assert gate.may_sample(15, 1)
+    assert not gate.may_sample(16, 1)
+    # Samples must come from the learner's own version: 3 - 3 = 0 not > 0 fresh; 3 - 2 = 1 > 0 stale.
+    assert not gate.is_stale(3, 3)
+    assert gate.is_stale(2, 3)
+
+
+def test_is_stale():
+    gate = StalenessGate(max_staleness=2, steps_per_version=1)
+    # learner 10: sample from 8 -> 10 - 8 = 2, not > 2: usable; from 7 -> 3 > 2: stale.
+    assert not gate.is_stale(8, 10)
+    assert gate.is_stale(7, 10)
+    # A sample from the future (11, after a rollback of the learner to 10): 10 - 11 = -1, usable.
+    assert not gate.is_stale(11, 10)
+
+
+def test_sampler_must_pause():
+    gate = StalenessGate(max_staleness=1, steps_per_version=64)
+    # learner 5, sampler 4: 5 - 4 = 1, not > 1: keep going; sampler 3: 2 > 1: pause.
+    assert not gate.sampler_must_pause(4, 5)
+    assert gate.sampler_must_pause(3, 5)
+    assert not gate.sampler_must_pause(5, 5)
+
+
+@pytest.mark.parametrize("kwargs", [{"max_staleness": -1, "steps_per_version": 1},
+                                    {"max_staleness": 0, "steps_per_version": 0}])
+def test_rejects_bad_config(kwargs):
+    with pytest.raises(ValueError):
+        StalenessGate(**kwargs)

@@ -147,8 +147,8 @@ class LearnerCore:
                 loss.backward()
                 gn = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), L.max_grad_norm)
                 self.optimizer.step()
-                for key, val in {**pstats, "policy_loss": float(pl), "value_loss": float(vl),
-                                 "entropy": float(ent), "grad_norm": float(gn)}.items():
+                for key, val in {**pstats, "policy_loss": float(pl.detach()), "value_loss": float(vl.detach()),
+                                 "entropy": float(ent.detach()), "grad_norm": float(gn)}.items():
                     stats.setdefault(key, []).append(val)
         out_stats = {f"losses/{k}": float(np.mean(vals)) for k, vals in stats.items()}
         out_stats.update({
@@ -227,14 +227,9 @@ class Learner(Actor):
     async def _on_scored(self, scored: Scored, record):
         L = self.cfg.learner
         if L.max_versions and self.version >= L.max_versions:
-            return []  # training budget spent; the run is winding down
+            return [self._drop(scored, "budget-spent")]  # the run is winding down
         if self.gate.is_stale(scored.min_policy_version, self.version):
-            self.dropped += 1
-            return [Emit(TELEMETRY, SegmentDropped(
-                event_id=event_id("dropped", scored.segment_id), run_id=scored.run_id,
-                producer=self.runner.name, key=scored.trajectory_id,
-                segment_id=scored.segment_id, reason="stale",
-                staleness=self.version - scored.min_policy_version))]
+            return [self._drop(scored, "stale")]
         self.core.buffer.append(Buffered(scored, {}, (record.partition, record.offset)))
         if scored.trajectory_done:
             self.done_trajectories.add(scored.trajectory_id)
@@ -254,6 +249,16 @@ class Learner(Actor):
         self.trained_steps += steps
         self.done_trajectories.clear()
         return [await self._publish("update", stats, ids)]
+
+    def _drop(self, scored: Scored, reason: str) -> Emit:
+        """Refuse a segment, visibly: counted and announced, never silently lost."""
+        if reason == "stale":
+            self.dropped += 1
+        return Emit(TELEMETRY, SegmentDropped(
+            event_id=event_id("dropped", scored.segment_id), run_id=scored.run_id,
+            producer=self.runner.name, key=scored.trajectory_id,
+            segment_id=scored.segment_id, reason=reason,
+            staleness=self.version - scored.min_policy_version))
 
     def _batch_ready(self) -> bool:
         if self.cfg.run.mode == "sync":

@@ -97,6 +97,9 @@ async def test_create_topics_is_idempotent_and_waits_for_metadata(broker):
         assert info.partitions == 3 and info.end_offsets == {0: 0, 1: 0, 2: 0}
         with pytest.raises(BusError):
             await bus.create_topics([name("zero")], 0)
+        unknown = name("auto")  # publish creates a missing topic with default_partitions
+        await bus.publish(unknown, [(b"k", b"v")])
+        assert (await _info(bus, unknown)).partitions == bus.default_partitions
 
 
 async def test_broker_side_create_error_is_raised_with_topic_and_code(_noida):
@@ -222,8 +225,11 @@ async def test_reader_reads_every_partition_without_a_group(broker):
             await reader.commit({(topic, 0): 1})
         await reader.close()
         assert set(await bus.groups()) == groups_before
-        with pytest.raises(BusError):
-            await bus.reader([name("missing")])
+        missing = name("missing")  # created on first use, as the embedded bus does
+        empty = await bus.reader([missing])
+        assert empty.assignment() == {(missing, p) for p in range(bus.default_partitions)}
+        assert await empty.fetch(10, 0.2) == []
+        await empty.close()
 
 
 # -- groups ------------------------------------------------------------------------------

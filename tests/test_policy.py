@@ -256,7 +256,7 @@ def test_supervised_sanity_learns_the_workshop_rule():
     targets = [TOK.encode(a) + [TOK.eos_id] for _, a in train]
     gen = torch.Generator().manual_seed(0)
     for _ in range(200):
-        batch = torch.randint(len(train), (64,), generator=gen).tolist()
+        batch = torch.randint(len(train), (32,), generator=gen).tolist()
         out = policy.evaluate([train[i][0] for i in batch], [targets[i] for i in batch])
         loss = -(out.logprobs.sum() / out.mask.sum()) - 0.01 * out.entropy.sum() / out.mask.sum()
         loss = loss + 0.1 * (out.values ** 2).mean()

@@ -7,8 +7,9 @@ Choices, and why:
   embedded and the Kafka backend and a run can move between them.
 - ``acks="all"`` and, where the broker supports it, the idempotent producer: a publish that
   returns is durable, and a retried batch is not written twice. ``enable_idempotence="auto"``
-  tries it and falls back when the broker refuses InitProducerId (Tansu answers
-  UNKNOWN_SERVER_ERROR; noida-db and Apache Kafka accept it). ``bus.idempotent`` says which.
+  first asks the broker for a producer id itself (InitProducerId) and goes without when it
+  is refused (Tansu answers UNKNOWN_SERVER_ERROR; noida-db and Apache Kafka grant it).
+  ``bus.idempotent`` says which.
 - Publish fills one record batch per partition and only then awaits the acks, so a call of
   1000 messages goes out as a few large batches, not 1000 round trips (see ``publish``).
 - End offsets are read as the *high watermark of a Fetch response*, not from ListOffsets:
@@ -21,6 +22,13 @@ Choices, and why:
   the "all partitions of the group" form of OffsetFetch.
 - Topic names are checked here against Kafka's rules, because Tansu creates topics with any
   name at all (even ``""``); CreateTopics errors other than TOPIC_ALREADY_EXISTS raise.
+  Topics used before being created are created with ``default_partitions``, as the embedded
+  bus does (never through broker auto-creation, whose partition count differs).
+- Joining a group is bounded by ``join_timeout``: aiokafka waits forever, and noida-db never
+  expires a member that died without leaving (it stays group leader and every later
+  member's SyncGroup times out, for good), so a stuck join becomes a retriable error.
+- A commit for partitions a rebalance moved away is dropped (logged), not raised: their new
+  owner resumes from the last commit, and crashing the actor would rebalance again.
 - aiokafka errors become :class:`BusError`, ``retriable`` for connection loss, timeouts and
   errors aiokafka itself marks retriable, so the actor runtime retries them with backoff.
 """
@@ -41,18 +49,23 @@ from aiokafka.client import AIOKafkaClient
 from aiokafka.cluster import ClusterMetadata
 from aiokafka.errors import (
     CommitFailedError,
+    IncompatibleBrokerVersion,
     KafkaConnectionError,
     KafkaError,
     KafkaTimeoutError,
     MessageSizeTooLargeError,
     NodeNotReadyError,
+    NoError,
     RequestTimedOutError,
+    UnsupportedVersionError,
     for_code,
 )
 from aiokafka.helpers import create_ssl_context
 from aiokafka.protocol.fetch import FetchRequest
 from aiokafka.protocol.offset import OffsetRequest
-from aiokafka.structs import OffsetAndMetadata, TopicPartition as KafkaTP
+from aiokafka.protocol.transaction import InitProducerIdRequest
+from aiokafka.structs import OffsetAndMetadata
+from aiokafka.structs import TopicPartition as KafkaTP
 
 from .base import (
     Bus,
@@ -115,7 +128,8 @@ def client_config(bootstrap: str, client_id: str, security: Mapping[str, str]) -
     unknown = sorted(set(security) - _SECURITY_KEYS)
     if unknown:
         raise ValueError(
-            f"unknown Kafka option(s) {', '.join(unknown)}; known: {', '.join(sorted(_SECURITY_KEYS))}"
+            f"unknown Kafka option(s) {', '.join(unknown)}; "
+            f"known: {', '.join(sorted(_SECURITY_KEYS))}"
         )
     protocol = str(security.get("security_protocol", "PLAINTEXT")).upper()
     cfg: dict[str, Any] = {
@@ -152,6 +166,7 @@ class KafkaBus(Bus):
         replication_factor: int | str = 1,
         isolation_level: str = "read_uncommitted",
         join_timeout: float | str = 60.0,
+        default_partitions: int | str = 4,
         **security: str,
     ):
         self.bootstrap = bootstrap
@@ -163,6 +178,7 @@ class KafkaBus(Bus):
         # uncommitted data costs nothing and avoids waiting on a last-stable offset.
         self.isolation_level = isolation_level
         self.join_timeout = float(join_timeout)
+        self.default_partitions = int(default_partitions)
         self.idempotent: bool | None = None  # known after start()
         self._idempotence = _as_bool_or_auto(enable_idempotence)
         self._client_cfg = client_config(bootstrap, client_id, security)
@@ -196,42 +212,58 @@ class KafkaBus(Bus):
         if self._producer is not None:
             return
         try:
-            self._producer = await self._start_producer()
-            self._admin = AIOKafkaAdminClient(**self._client_cfg)
-            await self._admin.start()
             self._meta = AIOKafkaClient(**self._client_cfg)
             await self._meta.bootstrap()
+            self._producer = await self._start_producer(self._meta)
+            self._admin = AIOKafkaAdminClient(**self._client_cfg)
+            await self._admin.start()
         except Exception as exc:
             await self.close()
             raise bus_error(exc, f"cannot connect to Kafka at {self.bootstrap}") from exc
         log.info("kafka.started", bootstrap=self.bootstrap, idempotent=self.idempotent,
                  security_protocol=self._security_protocol)
 
-    async def _start_producer(self) -> AIOKafkaProducer:
-        """Start the producer, idempotent if asked or ("auto") if the broker allows it."""
-        if self._idempotence is not False:
-            producer = AIOKafkaProducer(**self.producer_config(idempotent=True))
-            try:
-                await producer.start()
-                self.idempotent = True
-                return producer
-            except KafkaError as exc:
-                await producer.stop()
-                # Connection trouble says nothing about the broker's features: report it.
-                if isinstance(exc, _RETRIABLE) or exc.retriable:
-                    raise
-                if self._idempotence is True:
-                    raise BusError(
-                        f"broker at {self.bootstrap} refused the idempotent producer "
-                        f"(enable_idempotence=true): {type(exc).__name__}: {exc}; use "
-                        "enable_idempotence=auto or false for this broker"
-                    ) from exc
-                log.info("kafka.idempotence_unsupported", bootstrap=self.bootstrap,
-                         error=f"{type(exc).__name__}: {exc}")
-        producer = AIOKafkaProducer(**self.producer_config(idempotent=False))
-        await producer.start()
-        self.idempotent = False
+    async def _start_producer(self, meta: AIOKafkaClient) -> AIOKafkaProducer:
+        """Start the producer, idempotent if asked or ("auto") if the broker grants it."""
+        want = self._idempotence
+        if want == "auto":
+            want = await self._broker_grants_producer_id(meta)
+        producer = AIOKafkaProducer(**self.producer_config(idempotent=bool(want)))
+        try:
+            await producer.start()
+        except KafkaError as exc:
+            await producer.stop()
+            if want and not (isinstance(exc, _RETRIABLE) or exc.retriable):
+                raise BusError(
+                    f"broker at {self.bootstrap} refused the idempotent producer "
+                    f"(enable_idempotence=true): {type(exc).__name__}: {exc}; use "
+                    "enable_idempotence=auto or false for this broker"
+                ) from exc
+            raise
+        self.idempotent = bool(want)
         return producer
+
+    async def _broker_grants_producer_id(self, meta: AIOKafkaClient) -> bool:
+        """Ask for a producer id (InitProducerId, what an idempotent producer does first).
+
+        Asking ourselves, rather than letting a producer fail, tells a broker that lacks
+        the feature (Tansu answers UNKNOWN_SERVER_ERROR) from one that is unreachable, and
+        keeps aiokafka from logging a scary error for a plain capability check.
+        """
+        try:
+            response = await meta.send(meta.get_random_node(),
+                                       InitProducerIdRequest(None, 60_000))
+        except (UnsupportedVersionError, IncompatibleBrokerVersion) as exc:
+            log.info("kafka.idempotence_unsupported", bootstrap=self.bootstrap, error=repr(exc))
+            return False
+        error = for_code(response.error_code)
+        if error is NoError:
+            return True
+        if getattr(error, "retriable", False):
+            raise BusError(f"InitProducerId: {error.__name__}", retriable=True)
+        log.info("kafka.idempotence_unsupported", bootstrap=self.bootstrap,
+                 error=f"InitProducerId answered {response.error_code} {error.__name__}")
+        return False
 
     async def close(self) -> None:
         """Stop every client; the first failure is raised after all were tried."""
@@ -242,7 +274,7 @@ class KafkaBus(Bus):
                 continue
             try:
                 await closer()
-            except Exception as exc:  # keep closing the others, then report
+            except Exception as exc:  # noqa: BLE001 - close the others, then raise it
                 first = first or exc
         self._producer = self._admin = self._meta = None
         if first is not None:
@@ -255,8 +287,9 @@ class KafkaBus(Bus):
 
     # -- topics --------------------------------------------------------------------------
 
-    async def create_topics(self, names: Iterable[str], partitions: int = 4) -> None:
+    async def create_topics(self, names: Iterable[str], partitions: int | None = None) -> None:
         _, admin, _ = self._started()
+        partitions = self.default_partitions if partitions is None else partitions
         names = list(dict.fromkeys(names))
         for name in names:
             check_topic_name(name)
@@ -291,7 +324,8 @@ class KafkaBus(Bus):
             return await meta.fetch_all_metadata()
         except KafkaError as exc:
             # aiokafka raises a bare KafkaError when no broker answered: worth a retry.
-            raise BusError(f"reading metadata from {self.bootstrap}: {exc}", retriable=True) from exc
+            raise BusError(f"reading metadata from {self.bootstrap}: {exc}",
+                           retriable=True) from exc
 
     async def _wait_for_topics(self, names: list[str]) -> None:
         """Creation is asynchronous in Kafka: wait until metadata lists every partition."""
@@ -307,15 +341,18 @@ class KafkaBus(Bus):
             await asyncio.sleep(0.1)
 
     async def _partitions(self, topic: str) -> int:
-        """Partition count of ``topic``, cached: keys map to partitions by this count."""
+        """Partition count of ``topic``, cached: keys map to partitions by this count.
+
+        A missing topic is created with ``default_partitions``, as the embedded bus does
+        (and explicitly, not through broker auto-creation, whose partition count differs).
+        """
         n = self._partition_counts.get(topic)
         if n is None:
-            producer, _, _ = self._started()
-            try:
-                n = len(await producer.partitions_for(topic))
-            except KafkaError as exc:
-                raise bus_error(exc, f"looking up partitions of {topic!r}") from exc
-            self._partition_counts[topic] = n
+            parts = (await self._cluster()).partitions_for_topic(topic)
+            if not parts:
+                await self.create_topics([topic], self.default_partitions)
+                parts = (await self._cluster()).partitions_for_topic(topic)
+            n = self._partition_counts[topic] = len(parts)
         return n
 
     async def topics(self) -> list[TopicInfo]:
@@ -385,7 +422,9 @@ class KafkaBus(Bus):
         ``send()`` per message skips aiokafka's per-message coroutine, metadata check and
         future: a 1000-message publish becomes a few appends in C and one await per
         partition. A batch stops growing at ``max_batch_size``; the first record always
-        fits, so one message up to ``max_message_bytes`` goes out alone.
+        fits, so one message up to ``max_message_bytes`` goes out alone. On an error some
+        batches may already be written: a retry can duplicate them (consumers drop
+        duplicates by event id).
         """
         if not messages:
             return
@@ -407,6 +446,7 @@ class KafkaBus(Bus):
             for part, builder in builders.items():
                 futures.append(await producer.send_batch(builder, topic, partition=part))
         except KafkaError as exc:
+            _observe(futures)
             raise self._publish_error(exc, topic, messages) from exc
         results = await asyncio.gather(*futures, return_exceptions=True)
         for result in results:
@@ -424,14 +464,16 @@ class KafkaBus(Bus):
     async def consumer(
         self, group: str, topics: Sequence[str], *, from_beginning: bool = True
     ) -> KafkaConsumer:
-        self._started()
+        for topic in topics:
+            await self._partitions(topic)  # creates missing topics, as the embedded bus does
         member = KafkaConsumer(self, group, tuple(topics), from_beginning=from_beginning)
         await member.start()
         return member
 
     async def reader(self, topics: Sequence[str]) -> KafkaReader:
         """Every partition of ``topics`` from offset 0, outside any group (replay, tail)."""
-        self._started()
+        for topic in topics:
+            await self._partitions(topic)
         reader = KafkaReader(self, tuple(topics))
         await reader.start()
         return reader
@@ -456,6 +498,13 @@ class KafkaBus(Bus):
             raise bus_error(exc, "listing consumer groups") from exc
 
 
+def _observe(futures: list[asyncio.Future]) -> None:
+    """Let batches already handed over finish on their own, without "never retrieved"
+    warnings: the caller gets the first error, and a retry re-publishes everything."""
+    for future in futures:
+        future.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+
 def _raise_for(code: int, what: str) -> None:
     if code:
         err = for_code(code)
@@ -474,7 +523,7 @@ class _Member(Consumer):
         self.joined = asyncio.Event()  # set while an assignment is in place
         self.failure: BusError | None = None  # raised by fetch (set in a rebalance callback)
         self._consumer = AIOKafkaConsumer(
-            **bus._client_cfg,
+            **bus.connection_config(),
             enable_auto_commit=False,
             isolation_level=bus.isolation_level,
             max_partition_fetch_bytes=bus.max_message_bytes + 64 * 1024,

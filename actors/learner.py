@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from gyre_async import timing
 from gyre_async.actor import Actor, Emit
 from gyre_async.bus.reading import iter_topics
 from gyre_async.policy.factory import build_policy, build_tokenizer, load_weights, save_weights
@@ -161,6 +162,11 @@ class LearnerCore:
         return out_stats
 
 
+def timed_save(*args):
+    with timing.timed("storage"):
+        return save_weights(*args)
+
+
 def it_terminal(item: Buffered) -> bool:
     return bool(item.arrays["terminal"][0])
 
@@ -239,16 +245,24 @@ class Learner(Actor):
         steps = self.core.buffered_steps
         staleness = max(self.version - b.scored.min_policy_version for b in self.core.buffer)
         started = time.monotonic()
-        arrays = await asyncio.to_thread(self.segment_store().read_many,
+        arrays = await asyncio.to_thread(self._read_segments,
                                          [b.scored.address for b in self.core.buffer])
         for item, arr in zip(self.core.buffer, arrays):
             item.arrays = arr
-        stats = await asyncio.to_thread(self.core.train)
+        stats = await asyncio.to_thread(self._train)
         self.train_seconds += time.monotonic() - started
         stats["charts/max_staleness_seen"] = float(staleness)
         self.trained_steps += steps
         self.done_trajectories.clear()
         return [await self._publish("update", stats, ids)]
+
+    def _read_segments(self, addresses: list[str]):
+        with timing.timed("storage"):
+            return self.segment_store().read_many(addresses)
+
+    def _train(self) -> dict[str, float]:
+        with timing.timed("learner"):
+            return self.core.train()
 
     def _drop(self, scored: Scored, reason: str) -> Emit:
         """Refuse a segment, visibly: counted and announced, never silently lost."""
@@ -268,7 +282,7 @@ class Learner(Actor):
     async def _publish(self, reason: str, stats: dict[str, float], ids: list[str]) -> Emit:
         version = self.version + 1
         ref = await asyncio.to_thread(
-            save_weights, self.checkpoints, self.policy, version,
+            timed_save, self.checkpoints, self.policy, version,
             {"run_id": self.cfg.run.run_id, "reason": reason, "parent": str(self.version)})
         final = bool(self.cfg.learner.max_versions and version >= self.cfg.learner.max_versions)
         metrics = {**stats, "charts/dropped_segments": float(self.dropped),

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from gyre_async import timing
 from gyre_async.actor import Actor, Emit
 from gyre_async.bus.reading import iter_topics
 from gyre_async.storage.segments import SegmentStore
@@ -149,7 +150,7 @@ class Segmenter(Actor):
 
     def __init__(self, config: SegmenterConfig, store_url: str, run_id: str):
         self.core = SegmenterCore(config)
-        self.store = SegmentStore(store_url)
+        self.store = SegmentStore(store_url, durable=config.fsync)
         self.run_id = run_id
         self.segments = 0
         self._closed: list[ClosedSegment] = []
@@ -183,8 +184,12 @@ class Segmenter(Actor):
             return []
         closed, self._closed = self._closed, []
         items = [(self._segment_id(seg), segment_arrays(seg)) for seg in closed]
-        refs = await asyncio.to_thread(self.store.write_many, items)
+        refs = await asyncio.to_thread(self._write, items)
         return [self._announce(seg, sid, ref) for seg, (sid, _), ref in zip(closed, items, refs)]
+
+    def _write(self, items):
+        with timing.timed("storage"):
+            return self.store.write_many(items)
 
     def _segment_id(self, seg: ClosedSegment) -> str:
         return event_id("segment", self.run_id, seg.trajectory_id, seg.steps[0].step_index,

@@ -35,6 +35,7 @@ from schemas import DecodeError, Event, decode, encode, event_id
 from schemas.events import DeadLetter, Heartbeat
 from schemas.topics import DEAD_LETTER, TELEMETRY
 
+from . import timing
 from .bus import Bus, Record
 from .errors import is_retriable
 
@@ -235,7 +236,8 @@ class ActorRunner:
 
     async def _process(self, record: Record) -> list[Emit]:
         try:
-            event = decode(record.topic, record.value, self.bus.max_message_bytes)
+            with timing.timed("codec"):
+                event = decode(record.topic, record.value, self.bus.max_message_bytes)
         except DecodeError as exc:
             return [self._dead_letter(record, exc.reason)]
         if event.event_id in self._seen:
@@ -283,9 +285,10 @@ class ActorRunner:
 
     def _batches(self, outputs: Sequence[Emit]) -> list[tuple[str, list]]:
         by_topic: dict[str, list] = {}
-        for out in outputs:
-            key = out.event.key.encode() if out.event.key else None
-            by_topic.setdefault(out.topic, []).append((key, encode(out.event)))
+        with timing.timed("codec"):
+            for out in outputs:
+                key = out.event.key.encode() if out.event.key else None
+                by_topic.setdefault(out.topic, []).append((key, encode(out.event)))
         return list(by_topic.items())
 
     async def _heartbeat_loop(self) -> None:

@@ -25,6 +25,7 @@ from schemas.events import EvalResult, Heartbeat, PolicyVersion, SegmentClosed
 from schemas.topics import ALL_TOPICS, EVAL, POLICY_VERSION, SEGMENT_CLOSED, TELEMETRY
 
 from .actor import ActorRunner
+from .bus.reading import iter_topics
 from .runlog import load_runlog, plot_learning_curve, summarize, write_metrics
 from .runtime import install_stop_signals, open_run_bus
 from .topology import RUN_ROLES, build_actor
@@ -125,6 +126,31 @@ async def _watch(bus, progress: Progress, stop: asyncio.Event, cfg: Config) -> N
         await reader.close()
 
 
+async def _final_evaluation(cfg: Config, bus, progress: Progress) -> None:
+    """Evaluate the latest version if the run stopped before the evaluator reached it.
+
+    A run cut by ``max_wall_s`` or ``max_env_steps`` still ends with a validation figure
+    for the policy it actually produced, published like any other ``eval`` event.
+    """
+    from actors.evaluator import Evaluator
+
+    latest = None
+    async for record in iter_topics(bus, [POLICY_VERSION]):
+        event = decode(POLICY_VERSION, record.value, 1 << 40)
+        if latest is None or event.version > latest.version:
+            latest = event
+    evaluated = set()
+    async for record in iter_topics(bus, [EVAL]):
+        evaluated.add(decode(EVAL, record.value, 1 << 40).policy_version)
+    if latest is None or latest.version in evaluated:
+        return
+    evaluator = Evaluator(cfg)
+    runner = ActorRunner(evaluator, bus, run_id=cfg.run.run_id, name="evaluator")
+    final = msgspec.structs.replace(latest, metrics={**latest.metrics, "final": 1.0})
+    outputs = await evaluator.handle(final, None)
+    await runner.emit(outputs)
+
+
 async def run_loop(cfg: Config, *, bus_override: str | None = None, progress: bool = True,
                    roles: tuple[str, ...] = RUN_ROLES) -> dict:
     run_dir = cfg.run.run_dir
@@ -155,6 +181,7 @@ async def run_loop(cfg: Config, *, bus_override: str | None = None, progress: bo
             await asyncio.gather(*tasks, return_exceptions=True)
             await asyncio.gather(watcher, return_exceptions=True)
             shown.stop()
+        await _final_evaluation(cfg, bus, shown)
         runlog = await load_runlog(bus)
     wall = time.monotonic() - started
     write_metrics(runlog, os.path.join(run_dir, "metrics.jsonl"))

@@ -19,6 +19,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from . import timing
 from .envs.base import Env, EnvFailure, StepResult, guarded_reset, guarded_step
 from .policy.base import Action, Policy, SamplingParams
 from .policy.context import ContextBuilder
@@ -43,7 +44,7 @@ class PolicyHolder:
         self.lock = threading.Lock()
 
     def act(self, contexts: list[list[int]], params: SamplingParams, seed: int | None):
-        with self.lock:
+        with self.lock, timing.timed("policy"):
             return self.policy.act_batch(contexts, params, seed=seed), self.version
 
     def load(self, path: str, sha256: str, version: int) -> None:
@@ -175,6 +176,7 @@ async def run_episode(
         started = loop.time()
         result = await guarded_step(env, acted.action.text, step_timeout_s)
         latency = loop.time() - started
+        timing.add("env", latency)
         if isinstance(result, EnvFailure):
             summary.failure = result
             summary.steps = step_index

@@ -94,6 +94,9 @@ class SegmenterConfig(Strict):
     """Close a segment when the environment reports a significant state change."""
     store: str = ""
     """Segment store URL (default: <run_dir>/segments.zarr)."""
+    fsync: bool = False
+    """fsync segment data before announcing it. Off by default, like the embedded bus's
+    synchronous=NORMAL: a killed process loses nothing; a power cut may lose the newest."""
 
 
 class ArbiterConfig(Strict):

@@ -27,6 +27,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, TypeVar
 
+from .. import timing
 from .base import Bus, BusError, Consumer, Record, TopicInfo, TopicPartition, partition_for
 
 T = TypeVar("T")
@@ -54,6 +55,11 @@ def _connect(path: str) -> sqlite3.Connection:
     return conn
 
 
+def _timed_call(fn: Callable[..., T], args: tuple) -> T:
+    with timing.timed("bus"):
+        return fn(*args)
+
+
 class _Worker:
     """One SQLite connection driven by its own thread."""
 
@@ -64,7 +70,7 @@ class _Worker:
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         loop = asyncio.get_running_loop()
         try:
-            return await loop.run_in_executor(self._pool, fn, *args)
+            return await loop.run_in_executor(self._pool, _timed_call, fn, args)
         except sqlite3.OperationalError as exc:  # locked, disk I/O: may pass
             raise BusError(f"embedded bus: {exc}", retriable=True) from exc
 

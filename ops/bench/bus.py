@@ -79,12 +79,17 @@ def batches(events: list, size: int) -> list[list]:
     return [events[i:i + size] for i in range(0, len(events), size)]
 
 
+#: CPU seconds of this process during the last timed run (the broker's CPU is not in it).
+last_cpu: list[float] = [0.0]
+
+
 async def _timed(publish_all, consume_all) -> float:
     """Seconds from the first publish to the last record consumed, consumer already ready."""
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     consumer = asyncio.ensure_future(consume_all())
     await publish_all()
     await consumer
+    last_cpu[0] = time.process_time() - c0
     return time.perf_counter() - t0
 
 
@@ -196,7 +201,9 @@ async def bench(args: argparse.Namespace, kafka_url: str) -> dict:
             for label, fn in variants:
                 eps = await fn(kafka_url, events, args.batch, args.fetch)
                 runs[label].append(eps)
-                progress(f"round {r + 1}/{args.rounds} {label}: {eps:,.0f} events/s")
+                cpu_us = last_cpu[0] / args.events * 1e6
+                progress(f"round {r + 1}/{args.rounds} {label}: {eps:,.0f} events/s, "
+                         f"{cpu_us:.1f} us client CPU per event")
         for label in runs:
             progress(f"{label}: best {max(runs[label]):,.0f}, "
                      f"median {statistics.median(runs[label]):,.0f} events/s")

@@ -1,0 +1,60 @@
+"""Framework overhead: share of busy time spent in the bus, serialization and storage.
+
+Runs the whole loop in one process (embedded bus, no tool latency) for a fixed budget and
+reads the busy-time counters (``gyre_async.timing``): bus = SQLite work, codec = msgpack
+encode/decode, storage = Zarr segment and checkpoint I/O, against policy forward passes,
+environment steps and PPO updates. Waiting is not counted anywhere.
+
+Last line: {"bench": "overhead", "framework_share": ...}
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import msgspec
+
+from gyre_async import timing
+from gyre_async.config import load_config
+from gyre_async.loop import run_loop
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=str(ROOT / "ops/configs/quickstart.toml"))
+    p.add_argument("--seconds", type=float, default=60.0, help="wall-clock budget of the run")
+    args = p.parse_args(argv)
+    cfg = load_config(args.config)
+    with tempfile.TemporaryDirectory(prefix="gyre-overhead-") as tmp:
+        cfg = msgspec.structs.replace(
+            cfg,
+            run=msgspec.structs.replace(cfg.run, run_dir=tmp, run_id="overhead"),
+            loop=msgspec.structs.replace(cfg.loop, max_wall_s=args.seconds),
+            learner=msgspec.structs.replace(cfg.learner, max_versions=0),
+            task=msgspec.structs.replace(cfg.task, env_config={**cfg.task.env_config,
+                                                               "latency_mean_s": 0.0}),
+        )
+        timing.reset()
+        summary = asyncio.run(run_loop(cfg, progress=False))
+    seconds = timing.snapshot()
+    share = timing.framework_share(seconds)
+    print(f"env steps {summary['env_steps']} in {summary['wall_seconds']} s, "
+          f"{summary['policy_versions']} policy versions", file=sys.stderr)
+    for k, v in sorted(seconds.items(), key=lambda kv: -kv[1]):
+        print(f"  {k:<8} {v:8.2f} s busy", file=sys.stderr)
+    print(json.dumps({"bench": "overhead", "framework_share": round(share, 4),
+                      "busy_seconds": {k: round(v, 2) for k, v in seconds.items()},
+                      "env_steps": summary["env_steps"]}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

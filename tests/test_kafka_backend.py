@@ -3,8 +3,9 @@
 Both PyPI brokers are started here (``_noida``, ``_tansu``, once per session, through
 ``ops/brokers.py``) because they differ exactly where KafkaBus has to paper over it: Tansu
 accepts any topic name, refuses the idempotent producer and answers ListOffsets(latest)
-wrongly; noida-db does none of that. Every test uses fresh topic and group names (noida-db
-can leave a group stuck for good when a commit races a rebalance).
+wrongly; noida-db does none of that, but never expires a group member that died without
+leaving, which leaves its group stuck for good. So every test uses fresh topic and group
+names, and multi-member group tests run on Tansu.
 """
 
 from __future__ import annotations

@@ -164,3 +164,19 @@ def test_separate_processes_embedded(tmp_path):
 def test_separate_processes_kafka(tmp_path, noida, unique):
     run_separate_processes(tmp_path, f"kafka://{noida}", min_versions=3, timeout=240,
                            run_id=f"tiny-{unique}")
+
+
+def test_sync_mode_trains_on_current_version_only(tmp_path):
+    cfg = tiny_config(tmp_path / "run", mode="sync")
+    cfg = msgspec.structs.replace(cfg, learner=msgspec.structs.replace(cfg.learner,
+                                                                       max_versions=3))
+    asyncio.run(run_loop(cfg, progress=False))
+    events, committed = asyncio.run(read_events(
+        f"sqlite:///{tmp_path}/run/events.db",
+        [TRAJECTORY_STEP, SEGMENT_CLOSED, SCORED, POLICY_VERSION, TELEMETRY]))
+    check_invariants(events, committed, tmp_path / "run", max_staleness=0)
+    versions = [e for _, e in events[POLICY_VERSION]]
+    # sample-then-train: each update saw whole episodes of exactly one version
+    for v in versions:
+        if v.reason == "update":
+            assert v.metrics["charts/max_staleness_seen"] == 0.0

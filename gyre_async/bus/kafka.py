@@ -432,10 +432,13 @@ class KafkaBus(Bus):
         producer, _, _ = self._started()
         n = self._partition_counts.get(topic) or await self._partitions(topic)
         builders: dict[int, Any] = {}
+        parts: dict[bytes | None, int] = {}  # keys repeat in a batch (a trajectory's steps)
         futures = []
         try:
             for key, value in messages:
-                part = partition_for(key, n)
+                part = parts.get(key)
+                if part is None:
+                    part = parts[key] = partition_for(key, n)
                 builder = builders.get(part)
                 if builder is None:
                     builder = builders[part] = producer.create_batch()

@@ -1,0 +1,77 @@
+"""A hung or failing environment ends only its own trajectory, visibly (env-error)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+
+from gyre_async.bus import open_bus
+from gyre_async.bus.reading import read_topics
+from gyre_async.config import load_config
+from gyre_async.envs import register_env
+from gyre_async.envs.base import Env, StepResult
+from gyre_async.envs.workshop import WorkshopEnv
+from gyre_async.loop import run_loop
+from schemas import decode
+from schemas.events import EnvError, SegmentClosed, TrajectoryStep
+from schemas.topics import SEGMENT_CLOSED, TRAJECTORY_STEP
+
+from test_loop_e2e import TINY
+
+
+class FaultyWorkshop(Env):
+    """The workshop, except that some seeds hang at step 5 and others raise at step 3."""
+
+    def __init__(self, **config):
+        self.inner = WorkshopEnv(**config)
+        self.max_steps = self.inner.max_steps
+        self.seed = 0
+        self.t = 0
+
+    async def reset(self, task_id: str, seed: int) -> str:
+        self.seed, self.t = seed, 0
+        return await self.inner.reset(task_id, seed)
+
+    async def step(self, action: str) -> StepResult:
+        self.t += 1
+        if self.seed % 3 == 0 and self.t == 5:
+            await asyncio.sleep(3600)  # a hung tool call
+        if self.seed % 3 == 1 and self.t == 3:
+            raise RuntimeError("tool crashed")
+        return await self.inner.step(action)
+
+
+register_env("faulty-workshop", FaultyWorkshop)
+
+
+def test_hung_and_crashing_envs_end_only_their_trajectory(tmp_path):
+    cfg = load_config(TINY)
+    r = msgspec.structs.replace
+    cfg = r(cfg, run=r(cfg.run, run_dir=str(tmp_path)),
+            task=r(cfg.task, env="faulty-workshop"),
+            sampler=r(cfg.sampler, step_timeout_s=0.3),
+            loop=r(cfg.loop, max_wall_s=12),
+            learner=r(cfg.learner, max_versions=0))
+    asyncio.run(run_loop(cfg, progress=False,
+                         roles=("sampler", "segmenter", "arbiter", "learner")))
+
+    async def read():
+        async with open_bus(f"sqlite:///{tmp_path}/events.db") as bus:
+            return [decode(r.topic, r.value) for r in
+                    await read_topics(bus, [TRAJECTORY_STEP, SEGMENT_CLOSED])]
+
+    events = asyncio.run(read())
+    errors = [e for e in events if isinstance(e, EnvError)]
+    steps = [e for e in events if isinstance(e, TrajectoryStep)]
+    segments = [e for e in events if isinstance(e, SegmentClosed)]
+    kinds = {e.kind for e in errors}
+    assert {"timeout", "exception"} <= kinds, kinds
+    assert any("tool crashed" in e.message for e in errors)
+    # healthy trajectories kept going well past the faulty ones' failure points
+    assert max(s.step_index for s in steps) > 20
+    # each failed trajectory was closed as ended (truncated), none left dangling
+    for err in errors:
+        mine = [s for s in segments if s.trajectory_id == err.trajectory_id]
+        if any(s.trajectory_id == err.trajectory_id for s in steps):
+            assert mine and mine[-1].boundary == "trajectory-end" and not mine[-1].success

@@ -26,14 +26,14 @@ import torch
 
 from gyre_async import timing
 from gyre_async.actor import Actor, Emit
-from gyre_async.bus.reading import iter_topics
+from gyre_async.runlog import current_policy_version
 from gyre_async.policy.factory import build_policy, build_tokenizer, load_weights, save_weights
 from gyre_async.rl.advantages import segment_gae
 from gyre_async.rl.ppo import broadcast_step_advantages, ppo_policy_loss, value_loss
 from gyre_async.rl.staleness import StalenessGate
 from gyre_async.storage.checkpoints import CheckpointStore
 from gyre_async.storage.segments import SegmentStore
-from schemas import decode, event_id
+from schemas import event_id
 from schemas.config import Config
 from schemas.events import PolicyVersion, Scored, SegmentDropped
 from schemas.topics import POLICY_VERSION, SCORED, TELEMETRY
@@ -209,11 +209,7 @@ class Learner(Actor):
         return cls(cfg)
 
     async def on_start(self) -> None:
-        latest = None
-        async for record in iter_topics(self.runner.bus, [POLICY_VERSION]):
-            event = decode(POLICY_VERSION, record.value, 1 << 40)
-            if latest is None or event.version >= latest.version:
-                latest = event
+        latest = await current_policy_version(self.runner.bus)
         if latest is not None:
             await asyncio.to_thread(load_weights, self.policy, latest.checkpoint,
                                     latest.checkpoint_hash)

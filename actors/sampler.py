@@ -21,14 +21,14 @@ import asyncio
 import uuid
 
 from gyre_async.actor import Actor, Emit
-from gyre_async.bus.reading import iter_topics
+from gyre_async.runlog import current_policy_version
 from gyre_async.envs import make_env
 from gyre_async.policy.base import SamplingParams
 from gyre_async.policy.factory import build_policy, build_tokenizer
 from gyre_async.policy.context import ContextBuilder
 from gyre_async.rl.staleness import StalenessGate
 from gyre_async.rollout import ActionBatcher, PolicyHolder, StepRecord, run_episode
-from schemas import decode, event_id
+from schemas import event_id
 from schemas.config import Config
 from schemas.events import EnvError, Milestone, PolicyVersion, TrajectoryStep
 from schemas.topics import POLICY_VERSION, TRAJECTORY_STEP
@@ -62,11 +62,7 @@ class Sampler(Actor):
 
     # -- following the learner -------------------------------------------------------------
     async def on_start(self) -> None:
-        latest = None
-        async for record in iter_topics(self.runner.bus, [POLICY_VERSION]):
-            event = decode(POLICY_VERSION, record.value, 1 << 40)
-            if latest is None or event.version >= latest.version:
-                latest = event
+        latest = await current_policy_version(self.runner.bus)
         if latest is not None:
             await self._follow(latest)
 

@@ -26,7 +26,7 @@ from schemas.topics import ALL_TOPICS, EVAL, POLICY_VERSION, SEGMENT_CLOSED, TEL
 
 from .actor import ActorRunner
 from .bus.reading import iter_topics
-from .runlog import load_runlog, plot_learning_curve, summarize, write_metrics
+from .runlog import current_policy_version, load_runlog, plot_learning_curve, summarize, write_metrics
 from .runtime import install_stop_signals, open_run_bus
 from .topology import RUN_ROLES, build_actor
 
@@ -134,11 +134,7 @@ async def _final_evaluation(cfg: Config, bus, progress: Progress) -> None:
     """
     from actors.evaluator import Evaluator
 
-    latest = None
-    async for record in iter_topics(bus, [POLICY_VERSION]):
-        event = decode(POLICY_VERSION, record.value, 1 << 40)
-        if latest is None or event.version > latest.version:
-            latest = event
+    latest = await current_policy_version(bus)
     evaluated = set()
     async for record in iter_topics(bus, [EVAL]):
         evaluated.add(decode(EVAL, record.value, 1 << 40).policy_version)

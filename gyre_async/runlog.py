@@ -71,6 +71,26 @@ async def load_runlog(bus: Bus, *, with_steps: bool = True) -> RunLog:
     return log
 
 
+async def current_policy_version(bus: Bus) -> PolicyVersion | None:
+    """The policy in force: the last ``policy-version`` published (a rollback may lower it).
+
+    The topic is keyed by one key, so it lives on one partition and log order is
+    publication order.
+    """
+    latest = None
+    known = {t.name for t in await bus.topics()}
+    if POLICY_VERSION not in known:
+        return None
+    async for record in iter_topics(bus, [POLICY_VERSION]):
+        try:
+            event = decode(POLICY_VERSION, record.value, 1 << 40)
+        except DecodeError:
+            continue
+        if latest is None or (event.ts, event.version) >= (latest.ts, latest.version):
+            latest = event
+    return latest
+
+
 def metrics_rows(log: RunLog) -> list[dict]:
     """One JSON row per policy version and per evaluation (namespaced metric names)."""
     rows = []
@@ -110,14 +130,17 @@ def plot_learning_curve(log: RunLog, path: str, title: str = "Gyre learning curv
     axes[0].legend()
     axes[0].grid(alpha=0.3)
     upd = [v for v in log.versions if v.reason == "update"]
-    axes[1].plot([v.version for v in upd],
-                 [v.metrics.get("charts/mean_reward", 0.0) for v in upd], label="mean step reward")
-    axes[1].plot([v.version for v in upd],
-                 [v.metrics.get("losses/entropy", 0.0) for v in upd], label="entropy")
+    xs = [v.version for v in upd]
+    axes[1].plot(xs, [v.metrics.get("charts/mean_reward", 0.0) for v in upd], color="C0",
+                 label="mean step reward")
+    axes[1].set_ylabel("mean step reward", color="C0")
     axes[1].set_xlabel("policy version")
     axes[1].set_title("learner")
-    axes[1].legend()
     axes[1].grid(alpha=0.3)
+    ent = axes[1].twinx()
+    ent.plot(xs, [v.metrics.get("losses/entropy", 0.0) for v in upd], color="C1",
+             label="policy entropy")
+    ent.set_ylabel("policy entropy (nats/token)", color="C1")
     fig.suptitle(title)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

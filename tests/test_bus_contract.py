@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 
 import msgspec
-import pytest
 
 from gyre_async.bus import open_bus
 from gyre_async.bus.reading import read_topics

@@ -78,7 +78,7 @@ def test_round_trip_and_address(tmp_path):
     # The same store opened through a file:// URL reads the same address.
     assert_same(SegmentStore(f"file://{tmp_path / 'seg'}", read_only=True).read(ref.address), seg)
     with pytest.raises(ValueError, match="does not belong"):
-        store.read(f"file:///elsewhere#traj-1/seg-0")
+        store.read("file:///elsewhere#traj-1/seg-0")
     with pytest.raises(SegmentNotFound):
         store.read(store.address("never-written"))
     with pytest.raises(ValueError, match="bad segment id"):

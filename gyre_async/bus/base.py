@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import msgspec
 
 
-class Record(msgspec.Struct, frozen=True):
+class Record(msgspec.Struct, frozen=True, gc=False):
     """A message as read back from the log."""
 
     topic: str

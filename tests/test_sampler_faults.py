@@ -58,11 +58,15 @@ def test_hung_and_crashing_envs_end_only_their_trajectory(tmp_path):
 
     async def read():
         async with open_bus(f"sqlite:///{tmp_path}/events.db") as bus:
-            return [decode(r.topic, r.value) for r in
-                    await read_topics(bus, [TRAJECTORY_STEP, SEGMENT_CLOSED])]
+            done = await bus.committed("tiny.segmenter", TRAJECTORY_STEP)
+            return [(r, decode(r.topic, r.value)) for r in
+                    await read_topics(bus, [TRAJECTORY_STEP, SEGMENT_CLOSED])], done
 
-    events = asyncio.run(read())
-    errors = [e for e in events if isinstance(e, EnvError)]
+    records, done = asyncio.run(read())
+    events = [e for _, e in records]
+    errors = [e for _, e in records if isinstance(e, EnvError)]
+    consumed_errors = [e for r, e in records if isinstance(e, EnvError)
+                       and r.offset < done.get(r.partition, 0)]
     steps = [e for e in events if isinstance(e, TrajectoryStep)]
     segments = [e for e in events if isinstance(e, SegmentClosed)]
     kinds = {e.kind for e in errors}
@@ -71,7 +75,8 @@ def test_hung_and_crashing_envs_end_only_their_trajectory(tmp_path):
     # healthy trajectories kept going well past the faulty ones' failure points
     assert max(s.step_index for s in steps) > 20
     # each failed trajectory was closed as ended (truncated), none left dangling
-    for err in errors:
+    assert consumed_errors
+    for err in consumed_errors:
         mine = [s for s in segments if s.trajectory_id == err.trajectory_id]
         if any(s.trajectory_id == err.trajectory_id for s in steps):
             assert mine and mine[-1].boundary == "trajectory-end" and not mine[-1].success

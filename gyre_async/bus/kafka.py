@@ -585,10 +585,18 @@ class _Member(Consumer):
         return {(tp.topic, tp.partition) for tp in self._consumer.assignment()}
 
     async def close(self) -> None:
+        # aiokafka cancels a background task in stop() and awaits it; if that task has not
+        # run yet, the CancelledError escapes. Let it start first, and tell that race apart
+        # from a real cancellation of the caller.
+        await asyncio.sleep(0)
         try:
             await self._consumer.stop()
         except KafkaError as exc:
             raise bus_error(exc, f"closing the consumer of {list(self.topics)}") from exc
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise
 
 
 class _Rebalance(ConsumerRebalanceListener):

@@ -176,7 +176,7 @@ class Sampler(Actor):
 
     async def _flush_loop(self) -> None:
         while True:
-            await asyncio.sleep(0.02)
+            await asyncio.sleep(self.cfg.sampler.flush_interval_s)
             await self._flush()
 
     async def _flush(self) -> None:

@@ -44,6 +44,7 @@ class ClosedSegment:
     steps: tuple[TrajectoryStep, ...]
     boundary: str
     terminal: bool  # the trajectory ended with a real outcome (no value bootstrap)
+    first_offset: tuple[int, int] = (0, -1)  # (partition, offset) of its first step
 
 
 def pad(rows: list[list[int]], width: int, dtype=np.int32) -> tuple[np.ndarray, np.ndarray]:
@@ -132,7 +133,7 @@ class SegmenterCore:
         self.next_step[tid] = seg.steps[-1].step_index + 1
         if boundary == "trajectory-end":
             self.ended.add(tid)
-        return ClosedSegment(tid, tuple(seg.steps), boundary, terminal)
+        return ClosedSegment(tid, tuple(seg.steps), boundary, terminal, seg.offsets[0])
 
     def commit_floor(self) -> dict[tuple[str, int], int]:
         floor: dict[tuple[str, int], int] = {}
@@ -154,6 +155,7 @@ class Segmenter(Actor):
         self.run_id = run_id
         self.segments = 0
         self._closed: list[ClosedSegment] = []
+        self._oldest: float | None = None
 
     @classmethod
     def from_config(cls, cfg: Config) -> Segmenter:
@@ -182,7 +184,14 @@ class Segmenter(Actor):
         """
         if not self._closed:
             return []
-        closed, self._closed = self._closed, []
+        loop = asyncio.get_running_loop()
+        if self._oldest is None:
+            self._oldest = loop.time()
+        cfg = self.core.config
+        if (len(self._closed) < cfg.write_batch_segments
+                and loop.time() - self._oldest < cfg.write_delay_s):
+            return []  # wait for more: their steps stay uncommitted (commit_floor)
+        closed, self._closed, self._oldest = self._closed, [], None
         items = [(self._segment_id(seg), segment_arrays(seg)) for seg in closed]
         refs = await asyncio.to_thread(self._write, items)
         return [self._announce(seg, sid, ref) for seg, (sid, _), ref in zip(closed, items, refs)]
@@ -216,7 +225,11 @@ class Segmenter(Actor):
         ))
 
     def commit_floor(self):
-        return self.core.commit_floor()
+        floor = self.core.commit_floor()
+        for seg in self._closed:  # closed but not yet written: still needed after a crash
+            tp = (TRAJECTORY_STEP, seg.first_offset[0])
+            floor[tp] = min(floor.get(tp, seg.first_offset[1]), seg.first_offset[1])
+        return floor
 
     def stats(self):
         return {"segments": float(self.segments), "open_segments": float(len(self.core.open))}

@@ -81,6 +81,8 @@ class SamplerConfig(Strict):
     """Nucleus sampling threshold."""
     batch_wait_s: float = 0.004
     """How long the action batcher waits to fill a batch before running the policy."""
+    flush_interval_s: float = 0.05
+    """Steps are published in batches at this interval (one bus transaction each)."""
     max_episodes: int = 0
     """Stop after this many episodes (0: until stopped)."""
 
@@ -94,6 +96,10 @@ class SegmenterConfig(Strict):
     """Close a segment when the environment reports a significant state change."""
     store: str = ""
     """Segment store URL (default: <run_dir>/segments.zarr)."""
+    write_batch_segments: int = 64
+    """Closed segments are written to the store in groups of up to this many ..."""
+    write_delay_s: float = 0.25
+    """... or once the oldest waiting one is this old: fewer, larger store writes."""
     fsync: bool = False
     """fsync segment data before announcing it. Off by default, like the embedded bus's
     synchronous=NORMAL: a killed process loses nothing; a power cut may lose the newest."""

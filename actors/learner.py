@@ -18,6 +18,7 @@ untrained segments are re-delivered because the runtime never commits past them
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 from dataclasses import dataclass
 
@@ -71,52 +72,14 @@ class LearnerCore:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
-    def _flatten(self, items: list[Buffered]):
-        contexts, actions, behav, rewards, seg_of = [], [], [], [], []
-        for k, item in enumerate(items):
-            a = item.arrays
-            contexts += _rows(a["context_tokens"], a["context_len"])
-            act_len = a["action_mask"].sum(axis=1)
-            actions += _rows(a["action_tokens"], act_len)
-            behav += [a["action_logprobs"][i, : int(act_len[i])].tolist() for i in range(len(act_len))]
-            rewards += list(item.scored.step_rewards)
-            seg_of += [k] * item.steps
-        return contexts, actions, behav, rewards, seg_of
-
     def train(self) -> dict[str, float]:
         """One PPO update on everything buffered; empties the buffer."""
         L = self.cfg.learner
         items, self.buffer = self.buffer, []
-        contexts, actions, behav, rewards, seg_of = self._flatten(items)
-        n = len(contexts)
-        with torch.no_grad():
-            values = self.policy.values(contexts).float()
-            boots = [it.arrays["bootstrap_context"][0, : int(it.arrays["bootstrap_len"][0])].tolist()
-                     for it in items]
-            need = [i for i, b in enumerate(boots) if b and not it_terminal(items[i])]
-            boot_v = torch.zeros(len(items))
-            if need:
-                boot_v[need] = self.policy.values([boots[i] for i in need]).float()
-        # segment-level GAE, padded [S, T]
-        T = max(it.steps for it in items)
-        S = len(items)
-        r = torch.zeros(S, T)
-        v = torch.zeros(S, T)
-        m = torch.zeros(S, T, dtype=torch.bool)
-        index = []
-        pos = 0
-        for k, it in enumerate(items):
-            r[k, : it.steps] = torch.tensor(it.scored.step_rewards)
-            v[k, : it.steps] = values[pos : pos + it.steps]
-            m[k, : it.steps] = True
-            index += [(k, t) for t in range(it.steps)]
-            pos += it.steps
-        terminal = torch.tensor([it_terminal(it) for it in items])
-        adv2d, ret2d = segment_gae(r, v, m, boot_v, terminal, L.gamma, L.lam)
-        ks = torch.tensor([k for k, _ in index])
-        ts = torch.tensor([t for _, t in index])
-        adv = adv2d[ks, ts]
-        ret = ret2d[ks, ts]
+        prep = prepare_batch(self.policy, items, L.gamma, L.lam)
+        contexts, actions, behav = prep.contexts, prep.actions, prep.behav
+        values, adv, ret, n, S = prep.values, prep.advantages, prep.returns, prep.n, len(items)
+        rewards = prep.rewards
         adv_n = (adv - adv.mean()) / (adv.std() + 1e-8) if n > 1 else adv
         A = max(len(a) for a in actions)
         behav_t = torch.zeros(n, A)
@@ -158,13 +121,78 @@ class LearnerCore:
             "charts/mean_return": float(ret.mean()),
             "charts/max_staleness_seen": 0.0,
         })
-        self.last_items = items
+        out_stats["advantage_digest"] = prep.digest
         return out_stats
 
 
 def timed_save(*args):
     with timing.timed("storage"):
         return save_weights(*args)
+
+
+@dataclass
+class PreparedBatch:
+    """A batch flattened to steps, with values and segment-level GAE advantages."""
+
+    contexts: list[list[int]]
+    actions: list[list[int]]
+    behav: list[list[float]]
+    rewards: list[float]
+    values: torch.Tensor
+    advantages: torch.Tensor  # raw (before normalisation), one per step
+    returns: torch.Tensor
+
+    @property
+    def n(self) -> int:
+        return len(self.contexts)
+
+    @property
+    def digest(self) -> str:
+        """Fingerprint of the advantages (the replay audit recomputes and compares it)."""
+        data = self.advantages.detach().to(torch.float32).numpy().tobytes()
+        return hashlib.sha256(data).hexdigest()[:32]
+
+
+def prepare_batch(policy, items: list[Buffered], gamma: float, lam: float) -> PreparedBatch:
+    """Values under ``policy`` and GAE inside each segment, bootstrapped at its boundary.
+
+    Pure given the policy weights and the segments: ``gyre replay learner`` calls it with
+    the parent checkpoint to re-derive exactly the advantages each update used.
+    """
+    contexts, actions, behav, rewards = [], [], [], []
+    for item in items:
+        a = item.arrays
+        contexts += _rows(a["context_tokens"], a["context_len"])
+        act_len = a["action_mask"].sum(axis=1)
+        actions += _rows(a["action_tokens"], act_len)
+        behav += [a["action_logprobs"][i, : int(act_len[i])].tolist() for i in range(len(act_len))]
+        rewards += list(item.scored.step_rewards)
+    with torch.no_grad():
+        values = policy.values(contexts).float()
+        boots = [it.arrays["bootstrap_context"][0, : int(it.arrays["bootstrap_len"][0])].tolist()
+                 for it in items]
+        need = [i for i, b in enumerate(boots) if b and not it_terminal(items[i])]
+        boot_v = torch.zeros(len(items))
+        if need:
+            boot_v[need] = policy.values([boots[i] for i in need]).float()
+    T = max(it.steps for it in items)
+    S = len(items)
+    r = torch.zeros(S, T)
+    v = torch.zeros(S, T)
+    m = torch.zeros(S, T, dtype=torch.bool)
+    ks, ts = [], []
+    pos = 0
+    for k, it in enumerate(items):
+        r[k, : it.steps] = torch.tensor(it.scored.step_rewards)
+        v[k, : it.steps] = values[pos : pos + it.steps]
+        m[k, : it.steps] = True
+        ks += [k] * it.steps
+        ts += list(range(it.steps))
+        pos += it.steps
+    terminal = torch.tensor([it_terminal(it) for it in items])
+    adv2d, ret2d = segment_gae(r, v, m, boot_v, terminal, gamma, lam)
+    kt, tt = torch.tensor(ks), torch.tensor(ts)
+    return PreparedBatch(contexts, actions, behav, rewards, values, adv2d[kt, tt], ret2d[kt, tt])
 
 
 def it_terminal(item: Buffered) -> bool:
@@ -248,9 +276,10 @@ class Learner(Actor):
         stats = await asyncio.to_thread(self._train)
         self.train_seconds += time.monotonic() - started
         stats["charts/max_staleness_seen"] = float(staleness)
+        digest = stats.pop("advantage_digest")
         self.trained_steps += steps
         self.done_trajectories.clear()
-        return [await self._publish("update", stats, ids)]
+        return [await self._publish("update", stats, ids, digest)]
 
     def _read_segments(self, addresses: list[str]):
         with timing.timed("storage"):
@@ -275,7 +304,8 @@ class Learner(Actor):
             return len(self.done_trajectories) >= self.cfg.sampler.num_envs
         return self.core.buffered_steps >= self.cfg.learner.batch_steps
 
-    async def _publish(self, reason: str, stats: dict[str, float], ids: list[str]) -> Emit:
+    async def _publish(self, reason: str, stats: dict[str, float], ids: list[str],
+                       digest: str = "") -> Emit:
         version = self.version + 1
         ref = await asyncio.to_thread(
             timed_save, self.checkpoints, self.policy, version,
@@ -289,7 +319,7 @@ class Learner(Actor):
             version=version, checkpoint=ref.address, checkpoint_hash=ref.sha256,
             parent=self.version if self.version >= 0 else None, reason=reason,  # type: ignore[arg-type]
             learning_rate=self.learning_rate, env_steps=self.trained_steps, metrics=metrics,
-            trained_segments=ids)
+            trained_segments=ids, advantage_digest=digest)
         self.version = version
         return Emit(POLICY_VERSION, event)
 

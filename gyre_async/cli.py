@@ -74,6 +74,23 @@ def _parser() -> argparse.ArgumentParser:
     rep.add_argument("--name", help="actor name used in the run (default: the role)")
     rep.add_argument("--json", action="store_true", help="print the full report as JSON")
 
+    ins = sub.add_parser("inspect", help="one trajectory: steps, segments, rewards, versions",
+                         description="Print one trajectory as the event log tells it: its "
+                         "steps, milestones with their state proof, segments, reward "
+                         "components, and the policy version that trained on each segment.")
+    ins.add_argument("trajectory_id")
+    ins.add_argument("--bus", help="bus URL of the run")
+    ins.add_argument("--config", help="the run's config file (to find its bus)")
+    ins.add_argument("--steps", type=int, default=50, help="show at most N steps (0: all)")
+
+    arc = sub.add_parser("archive", help="record every topic of a run into an embedded log",
+                         description="Copy every topic of a run (e.g. from Kafka) into the "
+                         "embedded log format, so it can be replayed, inspected and reported "
+                         "later without the cluster.")
+    arc.add_argument("--bus", required=True, help="source bus URL, e.g. kafka://host:9092")
+    arc.add_argument("--out", required=True, help="directory for events.db")
+    arc.add_argument("--topics", help="comma-separated topics (default: all)")
+
     top = sub.add_parser("topics", help="topics, end offsets and lag per consumer group")
     top.add_argument("--bus", help="bus URL")
     top.add_argument("--config", help="config file (to find the run's bus)")
@@ -124,6 +141,11 @@ def _dispatch(args) -> int:
     if args.command == "replay":
         cfg = _config(args)
         return run_main(lambda: _replay(bus_url(cfg, args.bus), cfg, args))
+    if args.command == "inspect":
+        cfg = _config(args)
+        return run_main(lambda: _inspect(bus_url(cfg, args.bus), args))
+    if args.command == "archive":
+        return run_main(lambda: _archive(args))
     if args.command == "topics":
         cfg = _config(args)
         return run_main(lambda: _topics(bus_url(cfg, args.bus)))
@@ -211,6 +233,31 @@ async def _replay(url: str, cfg, args) -> int:
             print(f"  changed  {change['event_id']}: {fields}")
         print(f"{report.differences} differences")
     return 1 if report.differences else 0
+
+
+async def _inspect(url: str, args) -> int:
+    from .inspect_trajectory import collect, render
+
+    async with open_bus(url) as bus:
+        info = await collect(bus, args.trajectory_id)
+    print(render(args.trajectory_id, info, args.steps))
+    return 0 if info["steps"] or info["segments"] else 1
+
+
+async def _archive(args) -> int:
+    import os
+
+    from .archive import archive
+
+    os.makedirs(args.out, exist_ok=True)
+    out = os.path.join(args.out, "events.db")
+    topics = args.topics.split(",") if args.topics else None
+    async with open_bus(args.bus) as bus:
+        counts = await archive(bus, out, topics)
+    for name, n in sorted(counts.items()):
+        print(f"{name:<20} {n:>10}")
+    print(f"archived {sum(counts.values())} events into {out}")
+    return 0
 
 
 async def _topics(url: str) -> int:

@@ -71,7 +71,13 @@ def _diff(a: dict, b: dict) -> dict[str, Any]:
 
 async def replay(recorded: Bus, role: str, cfg: Config, *, name: str | None = None,
                  settle_s: float = 0.5, timeout_s: float = 600.0) -> ReplayReport:
-    """Run a fresh ``role`` over ``recorded``'s inputs; compare with its recorded outputs."""
+    """Run a fresh ``role`` over ``recorded``'s inputs; compare with its recorded outputs.
+
+    The learner is audited differently (see :func:`replay_learner`): its advantages are
+    re-derived per update instead of retraining.
+    """
+    if role == "learner":
+        return await replay_learner(recorded, cfg)
     name = name or role
     actor = build_actor(role, cfg)
     report = ReplayReport(role=role)
@@ -94,9 +100,18 @@ async def replay(recorded: Bus, role: str, cfg: Config, *, name: str | None = No
             task = asyncio.create_task(runner.run())
             loop = asyncio.get_running_loop()
             deadline = loop.time() + timeout_s
+            # Done when everything is committed, or when nothing moves any more (a
+            # stateful actor keeps uncommitted the inputs of still-open state, e.g. the
+            # segments of trajectories the recorded run left unfinished).
+            last, still = None, 0
             while loop.time() < deadline and not task.done():
                 await asyncio.sleep(settle_s)
-                if await scratch.lag(runner.group, actor.consumes) == 0:
+                lag = await scratch.lag(runner.group, actor.consumes)
+                progress = (lag, runner.processed,
+                            sum(sum(t.end_offsets.values()) for t in await scratch.topics()))
+                still = still + 1 if progress == last else 0
+                last = progress
+                if lag == 0 or still >= 4:
                     await asyncio.sleep(settle_s)
                     break
             runner.stop()
@@ -115,3 +130,58 @@ async def replay(recorded: Bus, role: str, cfg: Config, *, name: str | None = No
 
 def report_json(report: ReplayReport) -> bytes:
     return msgspec.json.format(msgspec.json.encode(report.to_dict()), indent=2)
+
+
+async def replay_learner(recorded: Bus, cfg: Config) -> ReplayReport:
+    """Re-derive every update's advantages from the log, the store and the parent checkpoint.
+
+    Retraining is not needed to audit the learner's credit assignment: for each published
+    update, load the weights it started from, read the segments it says it trained on (in
+    its order) with their recorded rewards, recompute values and segment-level GAE, and
+    compare the fingerprint with the one the learner recorded.
+    """
+    from actors.learner import Buffered, prepare_batch
+
+    from .policy.factory import build_policy, load_weights
+    from .storage.segments import SegmentStore
+    from schemas.events import PolicyVersion, Scored
+    from schemas.topics import POLICY_VERSION, SCORED
+
+    report = ReplayReport(role="learner")
+    versions: dict[int, PolicyVersion] = {}
+    updates: list[PolicyVersion] = []
+    for record in await read_topics(recorded, [POLICY_VERSION]):
+        event = decode(POLICY_VERSION, record.value, 1 << 40)
+        versions[event.version] = event
+        if event.reason == "update" and event.advantage_digest:
+            updates.append(event)
+    scored: dict[str, Scored] = {}
+    for record in await read_topics(recorded, [SCORED]):
+        event = decode(SCORED, record.value, 1 << 40)
+        if isinstance(event, Scored):
+            scored[event.segment_id] = event
+    report.inputs = len(scored)
+    report.recorded_outputs = len(updates)
+    store = SegmentStore(cfg.segmenter.store or f"{cfg.run.run_dir}/segments.zarr",
+                         read_only=True)
+    policy = build_policy(cfg)
+    for update in updates:
+        parent = versions.get(update.parent if update.parent is not None else -1)
+        missing = [sid for sid in update.trained_segments if sid not in scored]
+        if parent is None or missing:
+            report.missing.append(update.event_id)
+            continue
+        await asyncio.to_thread(load_weights, policy, parent.checkpoint, parent.checkpoint_hash)
+        items = [Buffered(scored[sid], {}, (0, 0)) for sid in update.trained_segments]
+        arrays = await asyncio.to_thread(store.read_many, [i.scored.address for i in items])
+        for item, arr in zip(items, arrays):
+            item.arrays = arr
+        prep = await asyncio.to_thread(prepare_batch, policy, items, cfg.learner.gamma,
+                                       cfg.learner.lam)
+        report.replayed_outputs += 1
+        if prep.digest != update.advantage_digest:
+            report.changed.append({"event_id": update.event_id, "version": update.version,
+                                   "fields": {"advantage_digest": {
+                                       "recorded": update.advantage_digest,
+                                       "replayed": prep.digest}}})
+    return report

@@ -202,6 +202,7 @@ class PolicyVersion(Event, tag="policy-version", frozen=True, kw_only=True):
     env_steps: int = 0
     metrics: dict[str, float] = {}
     trained_segments: list[str] = []  # segment ids in the batch that made this version
+    advantage_digest: str = ""  # fingerprint of that batch's advantages (replay audit)
 
     def __post_init__(self) -> None:
         _non_negative("version", self.version)

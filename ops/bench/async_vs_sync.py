@@ -45,8 +45,8 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=str(ROOT / "ops/configs/quickstart.toml"))
     p.add_argument("--seconds", type=float, default=240.0, help="wall-clock budget per mode")
-    p.add_argument("--latency", type=float, default=0.02, help="mean tool latency (s)")
-    p.add_argument("--sigma", type=float, default=1.5, help="log-normal sigma (tail weight)")
+    p.add_argument("--latency", type=float, default=0.05, help="mean tool latency (s)")
+    p.add_argument("--sigma", type=float, default=2.0, help="log-normal sigma (tail weight)")
     args = p.parse_args(argv)
     base = load_config(args.config)
     results = {}

@@ -1,0 +1,88 @@
+"""``gyre inspect TRAJECTORY_ID``: one trajectory, as the event log tells it.
+
+Steps (action, feedback, milestones with their state proof, the policy version that acted,
+tool latency), the segments it was cut into (boundary reason, store address), each
+segment's reward components and the level that decided it, the learner batch (policy
+version) that trained on each segment or why it was dropped, and environment errors.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from schemas import DecodeError, decode
+from schemas.events import (
+    EnvError, PolicyVersion, Scored, SegmentClosed, SegmentDropped, TrajectoryStep,
+)
+from schemas.topics import POLICY_VERSION, SCORED, SEGMENT_CLOSED, TELEMETRY, TRAJECTORY_STEP
+
+from .bus import Bus
+from .bus.reading import iter_topics
+
+
+async def collect(bus: Bus, trajectory_id: str) -> dict[str, Any]:
+    known = {t.name for t in await bus.topics()}
+    topics = [t for t in (TRAJECTORY_STEP, SEGMENT_CLOSED, SCORED, POLICY_VERSION, TELEMETRY)
+              if t in known]
+    steps, errors, segments, scored, dropped = [], [], [], {}, {}
+    trained_in: dict[str, int] = {}
+    async for record in iter_topics(bus, topics):
+        try:
+            event = decode(record.topic, record.value, 1 << 40)
+        except DecodeError:
+            continue
+        match event:
+            case TrajectoryStep() if event.trajectory_id == trajectory_id:
+                steps.append(event)
+            case EnvError() if event.trajectory_id == trajectory_id:
+                errors.append(event)
+            case SegmentClosed() if event.trajectory_id == trajectory_id:
+                segments.append(event)
+            case Scored() if event.trajectory_id == trajectory_id:
+                scored[event.segment_id] = event
+            case SegmentDropped():
+                dropped[event.segment_id] = event
+            case PolicyVersion():
+                for sid in event.trained_segments:
+                    trained_in[sid] = event.version
+    steps.sort(key=lambda s: s.step_index)
+    segments.sort(key=lambda s: s.step_start)
+    return {"steps": steps, "errors": errors, "segments": segments, "scored": scored,
+            "dropped": {k: v for k, v in dropped.items() if k in {s.segment_id for s in segments}},
+            "trained_in": trained_in}
+
+
+def render(trajectory_id: str, info: dict[str, Any], max_steps: int = 0) -> str:
+    steps, segments = info["steps"], info["segments"]
+    if not steps and not segments:
+        return f"no events for trajectory {trajectory_id!r} (ids look like sampler-<hex>-<n>)"
+    lines = [f"trajectory {trajectory_id}: {len(steps)} steps, {len(segments)} segments"]
+    if steps:
+        last = steps[-1]
+        versions = sorted({s.policy_version for s in steps})
+        lines.append(f"  task {last.task_id}  success={last.success} score={last.score:.3f} "
+                     f"done={last.done} truncated={last.truncated}  policy versions {versions}")
+    lines.append("steps:")
+    shown = steps if not max_steps else steps[:max_steps]
+    for s in shown:
+        ms = ", ".join(f"{m.name} [{m.proof}]" for m in s.milestones)
+        lines.append(f"  {s.step_index:>4} v{s.policy_version:<3} {s.action_text!r:<18} "
+                     f"feedback {s.feedback:+.3f} latency {s.tool_latency_s * 1000:7.1f} ms"
+                     + (f"  milestone: {ms}" if ms else ""))
+    if max_steps and len(steps) > max_steps:
+        lines.append(f"  ... {len(steps) - max_steps} more (use --steps 0 for all)")
+    for e in info["errors"]:
+        lines.append(f"  env-error at step {e.step_index}: {e.kind}: {e.message}")
+    lines.append("segments:")
+    for seg in segments:
+        sc = info["scored"].get(seg.segment_id)
+        fate = (f"trained into v{info['trained_in'][seg.segment_id]}"
+                if seg.segment_id in info["trained_in"] else
+                f"dropped ({info['dropped'][seg.segment_id].reason})"
+                if seg.segment_id in info["dropped"] else "not trained (yet)")
+        reward = (f"total {sc.total:+.3f} by {sc.decided_by} "
+                  + " ".join(f"{k}={v:+.3f}" for k, v in sc.components.items() if v)
+                  if sc else "not scored")
+        lines.append(f"  [{seg.step_start:>4},{seg.step_end:>4}) {seg.boundary:<14} "
+                     f"v{seg.min_policy_version}-{seg.max_policy_version}  {reward}  {fate}")
+    return "\n".join(lines)

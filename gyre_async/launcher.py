@@ -1,0 +1,324 @@
+"""``gyre launch``: one OS process per role, restarted when it crashes.
+
+Why processes and not tasks: a role that segfaults, leaks, deadlocks its event loop or is
+OOM-killed takes only itself down, and the others keep working from the bus (the bus is
+the only thing roles share). Why restart here and not only in systemd/Kubernetes: on one
+machine, or in a container running the whole loop, nothing else supervises the roles, and
+a crashed role that nobody restarts stalls the loop silently (its input queues up on the
+bus, the learner stops publishing versions, the sampler pauses on staleness).
+
+Restarting is safe because of the actor runtime's contract (see ``gyre_async.actor``): a
+role commits input offsets only after its outputs are durable and never past state it still
+holds in memory, so a restarted process resumes from its group's committed offsets and
+rebuilds the rest from its own output topics.
+
+Behaviour:
+
+- a child that exits with status 0 is done (e.g. ``learner.max_versions`` reached) and is
+  not restarted; the launcher exits 0 once every role is done;
+- a child that exits non-zero or by a signal is restarted after an exponential backoff
+  (0.5 s, 1 s, 2 s, ... capped at 10 s; the exponent resets once a child has run 60 s),
+  with a structlog JSON line (``launcher.restart``) and a short human line on stderr;
+- a role restarted more than ``--max-restarts`` times in total makes the launcher stop the
+  others and exit 1: a crash loop needs a human, and a restart storm hides it;
+- SIGTERM/SIGINT are forwarded as SIGTERM (each actor finishes its batch, commits, leaves
+  its group); after ``--stop-timeout`` the stragglers get SIGKILL. A second signal kills
+  at once. On Linux each child also gets SIGTERM if the launcher itself dies (PDEATHSIG),
+  so a ``kill -9`` of the launcher leaves no orphans holding group memberships;
+- ``--status-file`` is rewritten atomically on every change: role -> pid, restarts, state,
+  last exit (for scripts, probes and tests that need a role's PID).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import structlog
+
+from .topology import CORE_ROLES, ROLES
+
+log = structlog.get_logger(__name__)
+
+BACKOFF_BASE_S = 0.5
+BACKOFF_CAP_S = 10.0
+STABLE_AFTER_S = 60.0
+POLL_S = 0.2
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Register ``gyre launch`` on the CLI's subparsers."""
+    p = subparsers.add_parser(
+        "launch", help="run one process per role and restart crashed roles",
+        description="Start one OS process per role (gyre actor ROLE ...), restart a role "
+        "whose process exits abnormally (exponential backoff capped at 10 s), forward "
+        "SIGTERM/SIGINT to the roles and wait for them. Exit status 1 when a role exceeds "
+        "--max-restarts.")
+    p.add_argument("config", help="TOML config file passed to every role")
+    p.add_argument("--bus", help="bus URL for every role (default: config bus.url or the "
+                   "embedded log); kafka:// to spread roles over machines")
+    p.add_argument("--roles", default=",".join(CORE_ROLES),
+                   help=f"comma-separated roles (default: {','.join(CORE_ROLES)})")
+    p.add_argument("--metrics-port-base", type=int, default=0, metavar="N",
+                   help="give role i (in --roles order) --metrics-port N+i (default: none)")
+    p.add_argument("--max-restarts", type=int, default=10, metavar="N",
+                   help="give up (exit 1) when a role needs more than N restarts in total "
+                   "(default 10; negative: never give up)")
+    p.add_argument("--stop-timeout", type=float, default=30.0, metavar="S",
+                   help="seconds to wait after SIGTERM before SIGKILL (default 30)")
+    p.add_argument("--status-file", help="JSON file kept up to date: role -> pid, restarts")
+    p.add_argument("--run-dir", help="override run.run_dir in every role")
+    return p
+
+
+@dataclass
+class Role:
+    """One role's process and its restart bookkeeping."""
+
+    name: str
+    argv: list[str]
+    proc: subprocess.Popen | None = None
+    restarts: int = 0
+    streak: int = 0  # restarts since the last stable run (drives the backoff)
+    started_at: float = 0.0
+    restart_at: float | None = None
+    done: bool = False
+    last_exit: str | None = None
+    pids: list[int] = field(default_factory=list)
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+def describe_exit(code: int) -> str:
+    """``exit 3`` or ``SIGKILL`` (Popen reports death by signal N as -N)."""
+    if code < 0:
+        try:
+            return signal.Signals(-code).name
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit {code}"
+
+
+def backoff_s(streak: int) -> float:
+    """0.5 s, 1 s, 2 s, 4 s, 8 s, then 10 s for every further consecutive crash."""
+    return min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2 ** max(0, streak - 1))
+
+
+def role_argv(role: str, args, port: int | None) -> list[str]:
+    argv = [sys.executable, "-m", "gyre_async.cli"]
+    if getattr(args, "log_level", None):
+        argv += ["--log-level", args.log_level]
+    argv += ["actor", role, "--config", args.config]
+    if args.bus:
+        argv += ["--bus", args.bus]
+    if getattr(args, "run_dir", None):
+        argv += ["--run-dir", args.run_dir]
+    if port:
+        argv += ["--metrics-port", str(port)]
+    return argv
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
+    """Linux: deliver SIGTERM to this child when the launcher dies, even by SIGKILL."""
+    if _LIBC is None:
+        return
+    _LIBC.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() != _PARENT[0]:  # the launcher died before prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+try:  # loaded in the parent: the child between fork and exec should do as little as possible
+    import ctypes
+
+    _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
+except OSError:  # pragma: no cover
+    _LIBC = None
+_PARENT = [os.getpid()]
+
+
+class Launcher:
+    """Supervises the role processes; ``run`` returns the launcher's exit status."""
+
+    def __init__(self, roles: list[Role], *, max_restarts: int, stop_timeout: float,
+                 status_file: str | None = None):
+        self.roles = roles
+        self.max_restarts = max_restarts
+        self.stop_timeout = stop_timeout
+        self.status_file = status_file
+        self.stop_requested = 0  # signals received
+        self.failed: str | None = None
+
+    # -- signals -------------------------------------------------------------------------
+    def _on_signal(self, signum, _frame) -> None:
+        self.stop_requested += 1
+        if self.stop_requested > 1:
+            print(f"gyre launch: second {signal.Signals(signum).name}: killing roles",
+                  file=sys.stderr)
+            self._signal_all(signal.SIGKILL)
+
+    def _signal_all(self, sig: int) -> None:
+        for role in self.roles:
+            if role.alive:
+                try:
+                    role.proc.send_signal(sig)
+                except ProcessLookupError:
+                    pass
+
+    # -- lifecycle -----------------------------------------------------------------------
+    def start(self, role: Role) -> None:
+        _PARENT[0] = os.getpid()
+        role.proc = subprocess.Popen(
+            role.argv, preexec_fn=_die_with_parent if _LIBC is not None else None)
+        role.started_at = time.monotonic()
+        role.restart_at = None
+        role.pids.append(role.proc.pid)
+        log.info("launcher.started", role=role.name, pid=role.proc.pid, restarts=role.restarts)
+
+    def run(self) -> int:
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            for role in self.roles:
+                self.start(role)
+            self.write_status()
+            while not self.stop_requested and not self.failed:
+                if all(r.done for r in self.roles):
+                    log.info("launcher.all_done")
+                    self.write_status(stopped=True)
+                    return 0
+                if self.tick():
+                    self.write_status()
+                time.sleep(POLL_S)
+            return self.shutdown()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def tick(self) -> bool:
+        """Reap exited children, schedule and perform restarts; True when status changed."""
+        changed = False
+        now = time.monotonic()
+        for role in self.roles:
+            if role.done:
+                continue
+            if role.restart_at is not None:
+                if now >= role.restart_at and not self.stop_requested:
+                    self.start(role)
+                    changed = True
+                continue
+            code = role.proc.poll() if role.proc else None
+            if code is None:
+                continue
+            changed = True
+            role.last_exit = describe_exit(code)
+            if code == 0:
+                role.done = True
+                log.info("launcher.role_done", role=role.name, pid=role.proc.pid)
+                print(f"gyre launch: {role.name} finished (exit 0)", file=sys.stderr)
+                continue
+            self._crashed(role, code, now)
+        return changed
+
+    def _crashed(self, role: Role, code: int, now: float) -> None:
+        if now - role.started_at >= STABLE_AFTER_S:
+            role.streak = 0
+        role.restarts += 1
+        role.streak += 1
+        limit = "∞" if self.max_restarts < 0 else str(self.max_restarts)
+        if 0 <= self.max_restarts < role.restarts:
+            self.failed = role.name
+            log.error("launcher.gave_up", role=role.name, pid=role.proc.pid,
+                      exit=role.last_exit, exit_code=code, restarts=role.restarts - 1,
+                      max_restarts=self.max_restarts)
+            print(f"gyre launch: {role.name} (pid {role.proc.pid}) died with "
+                  f"{role.last_exit}; restart limit {limit} reached, stopping", file=sys.stderr)
+            return
+        delay = backoff_s(role.streak)
+        role.restart_at = now + delay
+        log.warning("launcher.restart", role=role.name, pid=role.proc.pid,
+                    exit=role.last_exit, exit_code=code, restart=role.restarts,
+                    max_restarts=self.max_restarts, backoff_s=delay)
+        print(f"gyre launch: {role.name} (pid {role.proc.pid}) died with {role.last_exit}; "
+              f"restart {role.restarts}/{limit} in {delay:g} s", file=sys.stderr)
+
+    def shutdown(self) -> int:
+        """SIGTERM every child, wait ``stop_timeout``, SIGKILL the rest, reap all."""
+        reason = f"role {self.failed} failed" if self.failed else "signal"
+        log.info("launcher.stopping", reason=reason)
+        self._signal_all(signal.SIGTERM)
+        deadline = time.monotonic() + self.stop_timeout
+        while any(r.alive for r in self.roles) and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+        for role in self.roles:
+            if role.alive:
+                log.warning("launcher.kill", role=role.name, pid=role.proc.pid)
+                role.proc.kill()
+            if role.proc is not None:
+                role.last_exit = describe_exit(role.proc.wait())
+            role.restart_at = None
+        self.write_status(stopped=True)
+        log.info("launcher.stopped", reason=reason)
+        return 1 if self.failed else 0
+
+    def write_status(self, *, stopped: bool = False) -> None:
+        if not self.status_file:
+            return
+        status = {
+            "launcher_pid": os.getpid(),
+            "stopped": stopped,
+            "failed_role": self.failed,
+            "roles": {r.name: {"pid": r.proc.pid if r.proc else None, "pids": r.pids,
+                               "alive": r.alive, "restarts": r.restarts, "done": r.done,
+                               "restarting": r.restart_at is not None,
+                               "last_exit": r.last_exit} for r in self.roles},
+        }
+        tmp = f"{self.status_file}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(status, f, indent=1)
+        os.replace(tmp, self.status_file)
+
+
+def run(args) -> int:
+    """``gyre launch``: validate the config and roles, then supervise until done or stopped."""
+    from .config import load_config
+
+    load_config(args.config)  # a ConfigError here beats four crash-looping children
+    names = [r.strip() for r in args.roles.split(",") if r.strip()]
+    unknown = [r for r in names if r not in ROLES]
+    if unknown or not names or len(set(names)) != len(names):
+        print(f"gyre launch: --roles {args.roles!r}: give distinct roles from "
+              f"{', '.join(sorted(ROLES))}", file=sys.stderr)
+        return 2
+    base = args.metrics_port_base
+    roles = [Role(name, role_argv(name, args, base + i if base else None))
+             for i, name in enumerate(names)]
+    return Launcher(roles, max_restarts=args.max_restarts, stop_timeout=args.stop_timeout,
+                    status_file=args.status_file).run()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m gyre_async.launcher CONFIG ...`` (same options as ``gyre launch``)."""
+    from .errors import ConfigError
+    from .logs import configure_logging
+
+    parser = argparse.ArgumentParser(prog="gyre")
+    parser.add_argument("--log-level", default="WARNING", help="structlog level")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["launch", *(argv if argv is not None else sys.argv[1:])])
+    configure_logging(args.log_level)
+    try:
+        return run(args)
+    except ConfigError as exc:
+        print(f"gyre: config error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

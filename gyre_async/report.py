@@ -1,0 +1,398 @@
+"""``gyre report RUN_DIR``: one self-contained HTML page about a run, read from its event log.
+
+Everything comes from the recorded events (plus ``config.json`` and ``summary.json`` of the
+run directory), so a finished run, a live one and a Kafka archive (``--bus``) report alike.
+The figures (``report_plots.py``) are PNGs embedded as base64 data URIs: the page needs no
+network and no other file. The PNGs are also written to ``<run_dir>/report/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import datetime as dt
+import html
+import json
+import os
+import sys
+from collections import Counter
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import msgspec
+
+from schemas import DecodeError, decode
+from schemas.events import (
+    DeadLetter,
+    EnvError,
+    EvalResult,
+    PolicyVersion,
+    RewardFailed,
+    Scored,
+    SegmentClosed,
+    SegmentDropped,
+)
+from schemas.topics import ALL_TOPICS, DEAD_LETTER, PROBE_IN, PROBE_OUT, TRAJECTORY_STEP
+
+from .bus import open_bus
+from .bus.reading import iter_topics
+from .runlog import RunLog, summarize
+
+READ_TOPICS = tuple(t for t in ALL_TOPICS if t not in (PROBE_IN, PROBE_OUT))
+
+
+class _StepStamp(msgspec.Struct):
+    """Just the fields of a trajectory-step the report needs (skips the token lists)."""
+
+    type: str = ""
+    ts: float = 0.0
+
+
+_stamp_decoder = msgspec.msgpack.Decoder(_StepStamp)
+
+
+@dataclass
+class ReportData:
+    run_dir: str
+    bus_url: str | None = None
+    versions: list[PolicyVersion] = field(default_factory=list)
+    evals: list[EvalResult] = field(default_factory=list)
+    segments: list[SegmentClosed] = field(default_factory=list)
+    scored: list[Scored] = field(default_factory=list)
+    reward_failed: list[RewardFailed] = field(default_factory=list)
+    dropped: list[SegmentDropped] = field(default_factory=list)
+    env_errors: list[EnvError] = field(default_factory=list)
+    dead_letters: list[tuple[float, str, str, str, int]] = field(default_factory=list)
+    step_ts: list[float] = field(default_factory=list)
+    topic_counts: dict[str, int] = field(default_factory=dict)
+    undecodable: Counter = field(default_factory=Counter)
+    duplicates: int = 0
+    config: dict | None = None
+    summary: dict | None = None
+    problems: list[str] = field(default_factory=list)
+    _seen: set[tuple[str, str]] = field(default_factory=set, repr=False)
+
+    @property
+    def rollbacks(self) -> list[PolicyVersion]:
+        return [v for v in self.versions if v.reason == "rollback"]
+
+    @cached_property
+    def t0(self) -> float:
+        """Run start: the first env step, else the first event of any kind."""
+        if self.step_ts:
+            return self.step_ts[0]
+        stamps = [x.ts for xs in (self.versions, self.evals, self.segments, self.scored)
+                  for x in xs]
+        return min(stamps, default=0.0)
+
+    @property
+    def max_staleness(self) -> int | None:
+        try:
+            return int(self.config["loop"]["max_staleness"])  # type: ignore[index]
+        except (TypeError, KeyError, ValueError):
+            return None
+
+    def fold(self, topic: str, value: bytes) -> None:
+        if topic == TRAJECTORY_STEP:  # the bulk of the log: read two fields, no tokens
+            try:
+                stamp = _stamp_decoder.decode(value)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                self.undecodable[topic] += 1
+                return
+            if stamp.type != "env-error":
+                self.step_ts.append(stamp.ts)
+                return
+        try:
+            event = decode(topic, value, 1 << 40)
+        except DecodeError:
+            self.undecodable[topic] += 1
+            return
+        if (topic, event.event_id) in self._seen:  # at-least-once delivery: count once
+            self.duplicates += 1
+            return
+        self._seen.add((topic, event.event_id))
+        if isinstance(event, DeadLetter):
+            where = f"{event.source_topic}[{event.source_partition}]@{event.source_offset}"
+            self.dead_letters.append((event.ts, event.actor, where, event.reason,
+                                      len(event.original)))
+            return
+        kept = {PolicyVersion: self.versions, EvalResult: self.evals, Scored: self.scored,
+                SegmentClosed: self.segments, RewardFailed: self.reward_failed,
+                SegmentDropped: self.dropped, EnvError: self.env_errors}.get(type(event))
+        if kept is not None:
+            kept.append(event)
+
+    def finish(self) -> None:
+        self.versions.sort(key=lambda v: (v.ts, v.version))
+        self.evals.sort(key=lambda e: (e.policy_version, e.ts))
+        for xs in (self.segments, self.scored, self.dropped):
+            xs.sort(key=lambda x: x.ts)
+        self.dead_letters.sort()
+        self.step_ts.sort()
+        self._seen.clear()
+
+
+def _read_json(path: str, problems: list[str]) -> dict | None:
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as exc:
+        problems.append(f"could not read {os.path.basename(path)}: {exc}")
+        return None
+
+
+async def load_report_data(run_dir: str, bus: str | None = None) -> ReportData:
+    """Read a run: its config/summary files and every topic the report shows."""
+    d = ReportData(run_dir=os.path.abspath(run_dir))
+    d.config = _read_json(os.path.join(d.run_dir, "config.json"), d.problems)
+    d.summary = _read_json(os.path.join(d.run_dir, "summary.json"), d.problems)
+    db = os.path.join(d.run_dir, "events.db")
+    url = bus or (f"sqlite:///{db}" if os.path.exists(db) else
+                  ((d.config or {}).get("bus") or {}).get("url"))
+    if not url:  # never create an empty log in someone's run directory
+        d.problems.append(f"no event log at {db} (use --bus URL to read another log)")
+        d.finish()
+        return d
+    d.bus_url = url
+    async with open_bus(url) as log:
+        d.topic_counts = {t.name: sum(t.end_offsets.values()) for t in await log.topics()}
+        wanted = [t for t in READ_TOPICS if d.topic_counts.get(t)]
+        if wanted:
+            async for record in iter_topics(log, wanted):
+                d.fold(record.topic, record.value)
+    d.finish()
+    return d
+
+
+def summary_of(d: ReportData) -> tuple[dict, str]:
+    """summary.json if the run wrote one, else the same summary computed from the log."""
+    if d.summary is not None:
+        return d.summary, "summary.json (written at the end of the run)"
+    episodes = [s for s in d.segments if s.trajectory_done]
+    log = RunLog(versions=d.versions, evals=d.evals, segments=d.segments, scored=d.scored,
+                 dropped=d.dropped, steps=len(d.step_ts),
+                 step_first_ts=d.step_ts[0] if d.step_ts else 0.0,
+                 step_last_ts=d.step_ts[-1] if d.step_ts else 0.0, episodes=len(episodes),
+                 successes=sum(s.success for s in episodes))
+    last = max([x.ts for xs in (d.versions, d.evals, d.segments) for x in xs] + d.step_ts[-1:],
+               default=d.t0)
+    return summarize(log, last - d.t0), "computed from the event log (no summary.json)"
+
+
+def _e(x: object) -> str:
+    return html.escape(str(x), quote=True)
+
+
+def _fmt(v: object) -> str:
+    if v is None or isinstance(v, bool):
+        return "—" if v is None else str(v).lower()
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    if isinstance(v, int):
+        return f"{v:,}"
+    if isinstance(v, (list, dict)):
+        text = json.dumps(v)
+        return text if len(text) <= 300 else text[:300] + " …"
+    return str(v)
+
+
+def _pct(v: object) -> str:
+    return "—" if v is None else f"{float(v):.0%}"  # type: ignore[arg-type]
+
+
+def _when(ts: float) -> str:
+    return dt.datetime.fromtimestamp(ts, dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _table(head: list[str], rows: list[list[object]], cls: str = "") -> str:
+    th = "".join(f"<th>{_e(h)}</th>" for h in head)
+    body = "".join("<tr>" + "".join(f"<td>{_e(_fmt(c))}</td>" for c in r) + "</tr>"
+                   for r in rows)
+    return f'<table class="{cls}"><thead><tr>{th}</tr></thead><tbody>{body}</tbody></table>'
+
+
+def _nodata(what: str) -> str:
+    return f'<p class="nodata">no data — {_e(what)}</p>'
+
+
+def _figure_html(name: str, result: object) -> str:
+    from .report_plots import CAPTIONS
+
+    title, caption = CAPTIONS[name]
+    out = f'<section id="{name}"><h2>{_e(title)}</h2>'
+    if isinstance(result, bytes):
+        b64 = base64.b64encode(result).decode()
+        out += (f'<img alt="{_e(title)}" src="data:image/png;base64,{b64}">'
+                f'<p class="cap">{_e(caption)}</p>')
+    elif isinstance(result, Exception):
+        out += f'<p class="warn">figure failed: {_e(type(result).__name__)}: {_e(result)}</p>'
+    else:
+        out += _nodata(f"this run has no events for {title.lower()}")
+    return out + "</section>"
+
+
+def _cards(s: dict, d: ReportData) -> str:
+    items = [
+        (_pct(s.get("final_success")),
+         f"final val success (v{_fmt(s.get('final_eval_version'))})"),
+        (_pct(s.get("initial_success")), "initial val success"),
+        (_fmt(s.get("env_steps")), "env steps"),
+        (_fmt(s.get("env_steps_per_s")), "env steps / s"),
+        (_fmt(s.get("policy_versions")), "policy versions"),
+        (_fmt(s.get("episodes")), f"episodes ({_pct(s.get('train_success_rate'))} success)"),
+        (_fmt(len(d.dropped)), "dropped segments"),
+        (_fmt(len(d.rollbacks)), "rollbacks"),
+        (_fmt(len(d.dead_letters)), "dead letters"),
+    ]
+    return '<div class="cards">' + "".join(
+        f'<div class="card"><div class="v">{_e(v)}</div><div class="k">{_e(k)}</div></div>'
+        for v, k in items) + "</div>"
+
+
+def _evals_html(d: ReportData) -> str:
+    if not d.evals:
+        return _nodata("no eval events")
+    steps_at = {v.version: v.env_steps for v in d.versions}
+    rows = [[e.policy_version, steps_at.get(e.policy_version, e.env_steps), e.episodes,
+             e.success_rate, e.mean_score, e.mean_length, _when(e.ts),
+             ", ".join(f"{k} {v:.0%}" for k, v in sorted(e.milestone_rates.items()))]
+            for e in d.evals]
+    return _table(["version", "env steps trained", "episodes", "success", "score",
+                   "mean length", "time", "milestone rates"], rows)
+
+
+def _health_html(d: ReportData) -> str:
+    drops = Counter(x.reason for x in d.dropped)
+    rows = [["dropped segments", len(d.dropped), ", ".join(f"{r}: {n}" for r, n in
+                                                           sorted(drops.items()))],
+            ["rollbacks", len(d.rollbacks), ", ".join(f"v{v.version} at {_when(v.ts)}"
+                                                      for v in d.rollbacks)],
+            ["env errors", len(d.env_errors), ", ".join(f"{k}: {n}" for k, n in Counter(
+                e.kind for e in d.env_errors).most_common())],
+            ["reward failures", len(d.reward_failed), ""],
+            ["undecodable records", sum(d.undecodable.values()), _fmt(dict(d.undecodable))],
+            ["duplicate deliveries (ignored)", d.duplicates, ""]]
+    return _table(["what", "count", "detail"], rows)
+
+
+def _dead_letters_html(d: ReportData) -> str:
+    if not d.dead_letters:
+        return ('<p>0 dead letters — every input was usable.</p>'
+                if DEAD_LETTER in d.topic_counts else _nodata("no dead-letter topic"))
+    by = Counter((actor, where.split("[")[0]) for _, actor, where, _, _ in d.dead_letters)
+    out = f"<p><b>{len(d.dead_letters)}</b> dead letters.</p>"
+    out += _table(["actor", "source topic", "count"],
+                  [[a, t, n] for (a, t), n in by.most_common()])
+    latest = d.dead_letters[-10:][::-1]
+    out += "<p class='cap'>Latest reasons:</p>" + _table(
+        ["time", "actor", "source", "reason", "bytes"],
+        [[_when(ts), a, w, r if len(r) < 400 else r[:400] + " …", n]
+         for ts, a, w, r, n in latest])
+    return out
+
+
+def render_html(d: ReportData, figures: dict) -> str:
+    from .report_plots import CAPTIONS, CSS
+
+    s, source = summary_of(d)
+    run = (d.config or {}).get("run") or {}
+    title = f"Gyre run {run.get('run_id', os.path.basename(d.run_dir))}"
+    now = dt.datetime.now().timestamp()
+    span = (f"started {_when(d.t0)} · " if d.t0 else "") + f"report generated {_when(now)}"
+    mode = run.get("mode", s.get("mode", "?"))
+    meta = f"{d.run_dir} · log {d.bus_url or 'none'} · {span}"
+    parts = [(f"<!doctype html><html lang='en'><head><meta charset='utf-8'>"
+              f"<meta name='viewport' content='width=device-width,initial-scale=1'>"
+              f"<title>{_e(title)}</title><style>{CSS}</style></head><body><header>"
+              f"<h1>{_e(title)} <small>({_e(mode)})</small></h1><div class='meta'>{_e(meta)}"
+              "</div></header><main>")]
+    if d.problems:
+        parts.append("<div class='problems'>" + "".join(f"<div>{_e(p)}</div>"
+                                                         for p in d.problems) + "</div>")
+    parts.append(_cards(s, d))
+    links = [(n, CAPTIONS[n][0]) for n in figures] + [
+        ("evals", "Evaluations"), ("summary", "Summary"), ("dead-letters", "Dead letters"),
+        ("events", "Event log"), ("config", "Config")]
+    parts.append("<nav>" + "".join(f"<a href='#{n}'>{_e(t)}</a>" for n, t in links) + "</nav>")
+    parts += [_figure_html(name, result) for name, result in figures.items()]
+    parts.append(f"<section id='evals'><h2>Evaluations</h2>{_evals_html(d)}</section>")
+    rows = [[k, v] for k, v in s.items() if k != "evals"]
+    parts.append(f"<section id='summary'><h2>Summary</h2><p class='cap'>Source: {_e(source)}"
+                 f"</p>{_table(['metric', 'value'], rows, 'kv')}<h2>Health</h2>"
+                 f"{_health_html(d)}</section>")
+    parts.append(f"<section id='dead-letters'><h2>Dead letters</h2>{_dead_letters_html(d)}"
+                 "</section>")
+    topics = (_table(["topic", "records"], sorted(d.topic_counts.items()))
+              if d.topic_counts else _nodata("no topics on the bus"))
+    parts.append(f"<section id='events'><h2>Event log</h2>{topics}</section>")
+    cfg = (f"<details><summary>config.json</summary><pre>{_e(json.dumps(d.config, indent=2))}"
+           "</pre></details>" if d.config is not None else _nodata("no config.json"))
+    parts.append(f"<section id='config'><h2>Config</h2>{cfg}</section>")
+    parts.append("</main></body></html>\n")
+    return "".join(parts)
+
+
+def write_report(d: ReportData, out: str) -> str:
+    """Render the figures and the page (blocking: run it off the event loop)."""
+    from .report_plots import render_all
+
+    figures = render_all(d)
+    png_dir = os.path.join(d.run_dir, "report")
+    os.makedirs(png_dir, exist_ok=True)
+    for name, result in figures.items():
+        path = os.path.join(png_dir, f"{name}.png")
+        if isinstance(result, bytes):
+            with open(path, "wb") as f:
+                f.write(result)
+        elif os.path.exists(path):  # a stale figure from an earlier report
+            os.remove(path)
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    tmp = f"{out}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(render_html(d, figures))
+    os.replace(tmp, out)
+    return out
+
+
+async def build_report(run_dir: str, *, out: str | None = None, bus: str | None = None) -> str:
+    """Write the HTML report of ``run_dir`` (default ``<run_dir>/report.html``); return its path.
+
+    ``bus`` reads the event log from another URL (e.g. a Kafka run); the figures are also
+    written as PNGs to ``<run_dir>/report/``.
+    """
+    if not os.path.isdir(run_dir):
+        raise FileNotFoundError(f"run directory {run_dir!r} does not exist")
+    d = await load_report_data(run_dir, bus)
+    out = os.path.abspath(out or os.path.join(d.run_dir, "report.html"))
+    return await asyncio.to_thread(write_report, d, out)
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "report", help="write a self-contained HTML report of a run",
+        description="Read a run's event log (and its config.json / summary.json) and write one "
+        "HTML page that opens offline: learning curves, reward components, staleness, segment "
+        "lengths and boundaries, throughput, learner losses, rollbacks, a summary table, dead "
+        "letters and the config. Figures are embedded PNGs (also written to RUN_DIR/report/). "
+        "Works on finished and live runs; topics without events show 'no data'.")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="run directory made by `gyre run`")
+    p.add_argument("--out", help="HTML file to write (default: RUN_DIR/report.html)")
+    p.add_argument("--bus", help="read the event log from this bus URL (default: RUN_DIR/events.db"
+                   ", else bus.url of RUN_DIR/config.json, e.g. a Kafka run)")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from .runtime import run_main
+
+    try:
+        path = run_main(lambda: build_report(args.run_dir, out=getattr(args, "out", None),
+                                             bus=getattr(args, "bus", None)))
+    except FileNotFoundError as exc:
+        print(f"gyre report: {exc}", file=sys.stderr)
+        return 2
+    print(path)
+    return 0

@@ -1,0 +1,246 @@
+"""``gyre report`` on a real (tiny) run, rendered in headless Chromium.
+
+The page must open offline: every <img> decodes (naturalWidth > 0) and the browser sends no
+request other than file:// and data: URLs (seen through the DevTools protocol's Network
+domain, on a pipe: no websocket client, no extra package). A control page with a loopback
+http image proves the request check can fail. Chromium is required (``ops/install_chromium.sh``);
+the test fails without it. The full-page screenshot lands in the run directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import os
+import queue
+import socket
+import struct
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from gyre_async.bus import open_bus
+from gyre_async.config import load_config
+from gyre_async.loop import run_loop
+from gyre_async.report import add_parser, build_report, run
+from schemas.topics import ALL_TOPICS
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "ops" / "configs" / "tiny.toml"
+CHROMIUM = os.environ.get("GYRE_CHROMIUM", "/usr/bin/chromium")
+FIGURES = {"learning_curves", "reward_components", "staleness", "segments", "throughput",
+           "learner"}
+FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+         "--disable-quic", "--no-first-run", "--no-default-browser-check",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync",
+         "--disable-extensions", "--disable-default-apps", "--mute-audio", "--hide-scrollbars"]
+PAGE_INFO = """(async () => {
+  const imgs = [...document.images];
+  await Promise.all(imgs.map(i => i.decode().catch(() => null)));
+  return {images: imgs.map(i => ({alt: i.alt, w: i.naturalWidth, h: i.naturalHeight})),
+          height: document.documentElement.scrollHeight, text: document.body.innerText};
+})()"""
+
+
+class Chromium:
+    """Headless Chromium driven by the DevTools protocol over ``--remote-debugging-pipe``.
+
+    Chromium reads NUL-terminated JSON commands on fd 3 and writes replies and events on fd 4.
+    """
+
+    def __init__(self, workdir: Path):
+        if not os.access(CHROMIUM, os.X_OK):
+            pytest.fail(f"{CHROMIUM} not found: install it with `bash ops/install_chromium.sh`")
+        to_chrome, self._to_w = os.pipe()
+        self._from_r, from_chrome = os.pipe()
+        self.log_path = workdir / "chromium.log"
+        script = 'exec 3<&"$CDP_IN" 4>&"$CDP_OUT"; exec "$@"'
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                ["bash", "-c", script, "bash", CHROMIUM, *FLAGS,
+                 f"--user-data-dir={workdir / 'profile'}", "--remote-debugging-pipe",
+                 "about:blank"],
+                pass_fds=(to_chrome, from_chrome), stdin=subprocess.DEVNULL, stdout=log,
+                stderr=log, env={**os.environ, "CDP_IN": str(to_chrome),
+                                 "CDP_OUT": str(from_chrome)})
+        os.close(to_chrome)
+        os.close(from_chrome)
+        self.inbox: queue.Queue = queue.Queue()
+        self.events: list[dict] = []
+        self._id = 0
+        threading.Thread(target=self._reader, daemon=True).start()
+
+    def _reader(self) -> None:
+        pending = bytearray()
+        while chunk := os.read(self._from_r, 1 << 20):
+            while (i := chunk.find(b"\0")) >= 0:
+                pending += chunk[:i]
+                self.inbox.put(json.loads(pending))
+                pending, chunk = bytearray(), chunk[i + 1:]
+            pending += chunk
+        self.inbox.put(None)
+
+    def _next(self, deadline: float, what: str) -> dict:
+        try:
+            msg = self.inbox.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            raise TimeoutError(f"Chromium: no {what} in time; log:\n{self._log()}") from None
+        if msg is None:
+            raise RuntimeError(f"Chromium exited; log:\n{self._log()}")
+        if "method" in msg:
+            self.events.append(msg)
+        return msg
+
+    def _log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-3000:]
+
+    def send(self, method: str, params: dict | None = None, session: str | None = None,
+             timeout: float = 30.0) -> dict:
+        self._id += 1
+        msg = {"id": self._id, "method": method, "params": params or {}}
+        if session:
+            msg["sessionId"] = session
+        data = json.dumps(msg).encode() + b"\0"
+        while data:
+            data = data[os.write(self._to_w, data):]
+        deadline = time.monotonic() + timeout
+        while True:
+            reply = self._next(deadline, f"reply to {method}")
+            if reply.get("id") == self._id:
+                assert "error" not in reply, f"{method}: {reply['error']}"
+                return reply.get("result", {})
+
+    def wait_event(self, method: str, session: str, since: int, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        seen = since
+        while True:
+            for e in self.events[seen:]:
+                if e["method"] == method and e.get("sessionId") == session:
+                    return
+            seen = len(self.events)
+            self._next(deadline, method)
+
+    def render(self, url: str, screenshot: Path | None = None) -> dict:
+        """Open ``url`` in a fresh tab; its images, text and every URL it requested."""
+        target = self.send("Target.createTarget", {"url": "about:blank"})["targetId"]
+        sid = self.send("Target.attachToTarget", {"targetId": target, "flatten": True})[
+            "sessionId"]
+        self.send("Page.enable", session=sid)
+        self.send("Network.enable", session=sid)
+        self.send("Emulation.setDeviceMetricsOverride", {"width": 1280, "height": 2000,
+                  "deviceScaleFactor": 1, "mobile": False}, sid)
+        mark = len(self.events)
+        self.send("Page.navigate", {"url": url}, sid)
+        self.wait_event("Page.loadEventFired", sid, mark)
+        info = self.send("Runtime.evaluate", {"expression": PAGE_INFO, "awaitPromise": True,
+                                              "returnByValue": True}, sid)["result"]["value"]
+        if screenshot is not None:
+            clip = {"x": 0, "y": 0, "width": 1280, "height": info["height"], "scale": 1}
+            shot = self.send("Page.captureScreenshot", {"format": "png", "clip": clip,
+                             "captureBeyondViewport": True}, sid, timeout=60)
+            screenshot.write_bytes(base64.b64decode(shot["data"]))
+        time.sleep(0.3)  # let late requests (if any) show up before we count
+        while not self.inbox.empty():
+            self._next(time.monotonic() + 1, "event")
+        info["requests"] = [
+            e["params"].get("request", e["params"]).get("url", "")
+            for e in self.events[mark:] if e.get("sessionId") == sid
+            and e["method"] in ("Network.requestWillBeSent", "Network.webSocketCreated")]
+        self.send("Target.closeTarget", {"targetId": target})
+        return info
+
+    def close(self) -> None:
+        try:
+            self.send("Browser.close", timeout=10)
+        except (TimeoutError, RuntimeError, OSError):
+            pass
+        try:
+            self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        os.close(self._to_w)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("report") / "run"
+    cfg = load_config(TINY)
+    cfg = msgspec.structs.replace(cfg, run=msgspec.structs.replace(cfg.run, run_dir=str(run_dir)))
+    asyncio.run(run_loop(cfg, progress=False))
+    return run_dir
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_report_of_a_real_run_renders_offline(tiny_run, tmp_path):
+    out = Path(asyncio.run(build_report(str(tiny_run))))
+    assert out == tiny_run / "report.html"
+    page = out.read_text()
+    assert {p.stem for p in (tiny_run / "report").glob("*.png")} == FIGURES
+    assert page.count("<img ") == len(FIGURES)
+    assert 'src="http' not in page and "href='http" not in page
+    control = tmp_path / "control.html"
+    leak = f"http://127.0.0.1:{_free_port()}/leak.png"
+    control.write_text(f"<!doctype html><html><body><img src='{leak}'></body></html>")
+
+    browser = Chromium(tmp_path)
+    try:
+        shown = browser.render(out.as_uri(), screenshot=tiny_run / "report_screenshot.png")
+        probe = browser.render(control.as_uri())
+    finally:
+        browser.close()
+
+    assert len(shown["images"]) == len(FIGURES)
+    for img in shown["images"]:
+        assert img["w"] > 0 and img["h"] > 0, f"image not decoded: {img}"
+    assert out.as_uri() in shown["requests"], shown["requests"]  # the check sees requests
+    remote = [u for u in shown["requests"] if not u.startswith(("file:", "data:"))]
+    assert remote == [], f"the report made network requests: {remote}"
+    assert leak in probe["requests"], "control: a remote image must be seen as a request"
+    text = shown["text"]
+    for heading in ("Learning curves", "Reward components", "Staleness", "Segments",
+                    "Throughput", "Summary", "Dead letters", "Config"):
+        assert heading in text
+    assert "figure failed" not in text
+    shot = (tiny_run / "report_screenshot.png").read_bytes()
+    assert shot[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = struct.unpack(">II", shot[16:24])
+    assert width == 1280 and height > 2000
+
+
+async def _empty_log(path: Path) -> None:
+    async with open_bus(f"sqlite:///{path}") as bus:
+        await bus.create_topics(ALL_TOPICS, 2)
+
+
+def test_report_cli_on_runs_without_data(tmp_path, capsys):
+    parser = argparse.ArgumentParser(prog="gyre")
+    add_parser(parser.add_subparsers(dest="command"))
+    run_dir = tmp_path / "empty"
+    run_dir.mkdir()
+
+    assert run(parser.parse_args(["report", str(run_dir)])) == 0  # no log, no files at all
+    page = (run_dir / "report.html").read_text()
+    assert "no event log" in page and page.count("no data") >= len(FIGURES)
+    assert not (run_dir / "events.db").exists()  # reading never creates a log
+
+    asyncio.run(_empty_log(run_dir / "events.db"))  # every topic, no events
+    out = tmp_path / "elsewhere" / "r.html"
+    assert run(parser.parse_args(["report", str(run_dir), "--out", str(out)])) == 0
+    assert capsys.readouterr().out.strip().endswith(str(out))
+    page = out.read_text()
+    assert "<img " not in page and page.count("no data") >= len(FIGURES)
+    assert "figure failed" not in page and "0 dead letters" in page
+
+    assert run(parser.parse_args(["report", str(tmp_path / "missing")])) == 2

@@ -224,6 +224,7 @@ class Learner(Actor):
         self.learning_rate = cfg.learner.learning_rate
         self.done_trajectories: set[str] = set()
         self.train_seconds = 0.0
+        self.last_metrics: dict[str, float] = {}
 
     def segment_store(self) -> SegmentStore:
         """Opened on first use: in one-process-per-role runs the segmenter creates it."""
@@ -277,6 +278,7 @@ class Learner(Actor):
         self.train_seconds += time.monotonic() - started
         stats["charts/max_staleness_seen"] = float(staleness)
         digest = stats.pop("advantage_digest")
+        self.last_metrics = {k: float(v) for k, v in stats.items()}
         self.trained_steps += steps
         self.done_trajectories.clear()
         return [await self._publish("update", stats, ids, digest)]
@@ -332,4 +334,5 @@ class Learner(Actor):
 
     def stats(self):
         return {"version": float(self.version), "buffered_steps": float(self.core.buffered_steps),
-                "dropped": float(self.dropped), "train_s": self.train_seconds}
+                "dropped": float(self.dropped), "train_s": self.train_seconds,
+                **self.last_metrics}

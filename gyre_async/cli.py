@@ -52,6 +52,9 @@ def _parser() -> argparse.ArgumentParser:
     actor.add_argument("--bus", help="bus URL (default: config bus.url or the embedded log)")
     actor.add_argument("--name", help="actor name (default: the role)")
     actor.add_argument("--run-dir", help="override run.run_dir")
+    actor.add_argument("--metrics-port", type=int, metavar="PORT",
+                       help="serve Prometheus metrics at http://0.0.0.0:PORT/metrics and "
+                       "liveness at /healthz (default: off)")
 
     tail = sub.add_parser("tail", help="print a topic's events as JSON lines",
                           description="Subscribe to a topic and print each event as one JSON "
@@ -91,6 +94,14 @@ def _parser() -> argparse.ArgumentParser:
     arc.add_argument("--out", required=True, help="directory for events.db")
     arc.add_argument("--topics", help="comma-separated topics (default: all)")
 
+    from .launcher import add_parser as add_launch
+    from .monitor import add_parser as add_monitor
+    from .report import add_parser as add_report
+
+    add_launch(sub)
+    add_monitor(sub)
+    add_report(sub)
+
     top = sub.add_parser("topics", help="topics, end offsets and lag per consumer group")
     top.add_argument("--bus", help="bus URL")
     top.add_argument("--config", help="config file (to find the run's bus)")
@@ -125,7 +136,7 @@ def _dispatch(args) -> int:
 
     if args.command == "actor":
         cfg = _config(args)
-        run_main(lambda: run_actor(args.role, cfg, args.bus, args.name))
+        run_main(lambda: run_actor(args.role, cfg, args.bus, args.name, args.metrics_port))
         return 0
     if args.command == "run":
         from .loop import run_loop
@@ -141,6 +152,18 @@ def _dispatch(args) -> int:
     if args.command == "replay":
         cfg = _config(args)
         return run_main(lambda: _replay(bus_url(cfg, args.bus), cfg, args))
+    if args.command == "launch":
+        from .launcher import run as launch
+
+        return launch(args)
+    if args.command == "monitor":
+        from .monitor import run as run_monitor
+
+        return run_monitor(args)
+    if args.command == "report":
+        from .report import run as run_report
+
+        return run_report(args)
     if args.command == "inspect":
         cfg = _config(args)
         return run_main(lambda: _inspect(bus_url(cfg, args.bus), args))

@@ -175,8 +175,9 @@ class Launcher:
     # -- lifecycle -----------------------------------------------------------------------
     def start(self, role: Role) -> None:
         _PARENT[0] = os.getpid()
-        role.proc = subprocess.Popen(
-            role.argv, preexec_fn=_die_with_parent if _LIBC is not None else None)
+        # preexec_fn is unsafe only with threads; the launcher has none.
+        preexec = _die_with_parent if _LIBC is not None else None
+        role.proc = subprocess.Popen(role.argv, preexec_fn=preexec)  # noqa: PLW1509
         role.started_at = time.monotonic()
         role.restart_at = None
         role.pids.append(role.proc.pid)

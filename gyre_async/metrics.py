@@ -105,7 +105,7 @@ def render(metrics: dict[str, float]) -> str:
 class _Handler(BaseHTTPRequestHandler):
     server: _MetricsServer
 
-    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+    def do_GET(self) -> None:
         path = self.path.split("?", 1)[0]
         if path == "/metrics":
             try:
@@ -123,7 +123,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
-    def log_message(self, format: str, *args) -> None:  # noqa: A002
+    def log_message(self, format: str, *args) -> None:
         """Scrapes every few seconds would flood stderr; stay quiet."""
 
 

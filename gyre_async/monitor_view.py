@@ -25,7 +25,7 @@ if TYPE_CHECKING:  # runtime import would be circular (monitor imports this modu
     from .monitor import MonitorState
 
 BARS = "▁▂▃▄▅▆▇█"
-SPARK_WIDTH = 36
+SPARK_WIDTH = 24
 
 
 def sparkline(values, lo: float | None = None, hi: float | None = None,
@@ -115,13 +115,14 @@ def _throughput(s: MonitorState) -> Panel:
 def _actors(s: MonitorState) -> Panel:
     silent = s.silent_actors()
     t = Table(expand=True, box=None, padding=(0, 1))
-    for name, justify in [("actor", "left"), ("role", "left"), ("inputs", "right"),
+    for name, justify in [("actor", "left"), ("inputs", "right"),
                           ("rate", "right"), ("lag", "right"), ("beat", "right"),
                           ("state", "left")]:
         t.add_column(name, justify=justify, no_wrap=True, overflow="ellipsis")
     for a in sorted(s.actors.values(), key=lambda a: (a.role, a.actor)):
         quiet = a.actor in silent
-        t.add_row(a.actor, a.role, str(a.processed), _rate(a.rate()), str(a.lag),
+        who = a.actor if a.actor == a.role else f"{a.actor} ({a.role})"
+        t.add_row(who, str(a.processed), _rate(a.rate()), str(a.lag),
                   f"{s.newest_ts - a.last_ts:.0f}s",
                   Text("SILENT", style="bold red") if quiet else Text("ok", style="green"))
     head = (Text(f"SILENT: {', '.join(silent)}", style="bold red") if silent

@@ -219,9 +219,9 @@ def _nodata(what: str) -> str:
 
 
 def _figure_html(name: str, result: object) -> str:
-    from .report_plots import CAPTIONS
+    from .report_plots import FIGURES
 
-    title, caption = CAPTIONS[name]
+    _, title, caption = FIGURES[name]
     out = f'<section id="{name}"><h2>{_e(title)}</h2>'
     if isinstance(result, bytes):
         b64 = base64.b64encode(result).decode()
@@ -235,6 +235,7 @@ def _figure_html(name: str, result: object) -> str:
 
 
 def _cards(s: dict, d: ReportData) -> str:
+    stale = sum(x.reason == "stale" for x in d.dropped)
     items = [
         (_pct(s.get("final_success")),
          f"final val success (v{_fmt(s.get('final_eval_version'))})"),
@@ -243,7 +244,7 @@ def _cards(s: dict, d: ReportData) -> str:
         (_fmt(s.get("env_steps_per_s")), "env steps / s"),
         (_fmt(s.get("policy_versions")), "policy versions"),
         (_fmt(s.get("episodes")), f"episodes ({_pct(s.get('train_success_rate'))} success)"),
-        (_fmt(len(d.dropped)), "dropped segments"),
+        (_fmt(stale), f"stale drops (+{len(d.dropped) - stale} other drops)"),
         (_fmt(len(d.rollbacks)), "rollbacks"),
         (_fmt(len(d.dead_letters)), "dead letters"),
     ]
@@ -257,7 +258,7 @@ def _evals_html(d: ReportData) -> str:
         return _nodata("no eval events")
     steps_at = {v.version: v.env_steps for v in d.versions}
     rows = [[e.policy_version, steps_at.get(e.policy_version, e.env_steps), e.episodes,
-             e.success_rate, e.mean_score, e.mean_length, _when(e.ts),
+             _pct(e.success_rate), e.mean_score, e.mean_length, _when(e.ts),
              ", ".join(f"{k} {v:.0%}" for k, v in sorted(e.milestone_rates.items()))]
             for e in d.evals]
     return _table(["version", "env steps trained", "episodes", "success", "score",
@@ -273,7 +274,7 @@ def _health_html(d: ReportData) -> str:
             ["env errors", len(d.env_errors), ", ".join(f"{k}: {n}" for k, n in Counter(
                 e.kind for e in d.env_errors).most_common())],
             ["reward failures", len(d.reward_failed), ""],
-            ["undecodable records", sum(d.undecodable.values()), _fmt(dict(d.undecodable))],
+            ["undecodable records", sum(d.undecodable.values()), _fmt(dict(d.undecodable) or "")],
             ["duplicate deliveries (ignored)", d.duplicates, ""]]
     return _table(["what", "count", "detail"], rows)
 
@@ -283,7 +284,7 @@ def _dead_letters_html(d: ReportData) -> str:
         return ('<p>0 dead letters — every input was usable.</p>'
                 if DEAD_LETTER in d.topic_counts else _nodata("no dead-letter topic"))
     by = Counter((actor, where.split("[")[0]) for _, actor, where, _, _ in d.dead_letters)
-    out = f"<p><b>{len(d.dead_letters)}</b> dead letters.</p>"
+    out = f"<p><b>{len(d.dead_letters)}</b> dead letter(s).</p>"
     out += _table(["actor", "source topic", "count"],
                   [[a, t, n] for (a, t), n in by.most_common()])
     latest = d.dead_letters[-10:][::-1]
@@ -295,7 +296,7 @@ def _dead_letters_html(d: ReportData) -> str:
 
 
 def render_html(d: ReportData, figures: dict) -> str:
-    from .report_plots import CAPTIONS, CSS
+    from .report_plots import CSS, FIGURES
 
     s, source = summary_of(d)
     run = (d.config or {}).get("run") or {}
@@ -313,7 +314,7 @@ def render_html(d: ReportData, figures: dict) -> str:
         parts.append("<div class='problems'>" + "".join(f"<div>{_e(p)}</div>"
                                                          for p in d.problems) + "</div>")
     parts.append(_cards(s, d))
-    links = [(n, CAPTIONS[n][0]) for n in figures] + [
+    links = [(n, FIGURES[n][1]) for n in figures] + [
         ("evals", "Evaluations"), ("summary", "Summary"), ("dead-letters", "Dead letters"),
         ("events", "Event log"), ("config", "Config")]
     parts.append("<nav>" + "".join(f"<a href='#{n}'>{_e(t)}</a>" for n, t in links) + "</nav>")

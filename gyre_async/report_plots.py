@@ -1,5 +1,4 @@
-"""The figures of ``gyre report`` (one function per section, each a PNG or None), and the
-page's style sheet.
+"""The figures of ``gyre report`` (one function per section) and the page's style sheet.
 
 Each function takes the :class:`gyre_async.report.ReportData` read from the event log and
 returns None when the run has nothing to show for that section (the page then says "no
@@ -14,6 +13,7 @@ from collections import Counter, defaultdict
 from typing import TYPE_CHECKING
 
 import numpy as np
+from matplotlib.ticker import MaxNLocator
 
 if TYPE_CHECKING:
     from .report import ReportData
@@ -23,7 +23,7 @@ BOUNDARIES = ("milestone", "state-change", "max-length", "trajectory-end")
 COMPONENT_ORDER = ("outcome", "milestone", "guard", "feedback")
 RC = {"font.size": 9, "axes.titlesize": 10, "axes.spines.top": False,
       "axes.spines.right": False, "axes.grid": True, "grid.alpha": 0.3,
-      "legend.fontsize": 8, "legend.framealpha": 0.8}
+      "legend.fontsize": 8, "legend.framealpha": 0.8, "axes.formatter.useoffset": False}
 
 
 def _plt():
@@ -36,8 +36,8 @@ def _plt():
 
 
 def _png(fig) -> bytes:
-    buf = io.BytesIO()
     fig.tight_layout()
+    buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100)
     _plt().close(fig)
     return buf.getvalue()
@@ -51,9 +51,13 @@ def _nodata(ax, what: str) -> None:
     ax.grid(False)
 
 
-def _version_ticks(ax, versions: list[int]) -> None:
-    step = max(1, len(versions) // 25)  # keep labels readable on long runs
-    ax.set_xticks(np.arange(0, len(versions), step), [str(v) for v in versions[::step]])
+def _headroom(ax, frac: float = 0.35) -> None:  # room above the data for the legend
+    lo, hi = ax.get_ylim()
+    ax.set_ylim(lo, hi + (hi - lo) * frac)
+
+
+def _integer(axis) -> None:
+    axis.set_major_locator(MaxNLocator(integer=True))
 
 
 def _rollback_lines(ax, xs, label: bool = True) -> None:
@@ -62,8 +66,7 @@ def _rollback_lines(ax, xs, label: bool = True) -> None:
 
 
 def _figure(ncols: int, nrows: int = 1, height: float = 3.6):
-    fig, axes = _plt().subplots(nrows, ncols, figsize=(12, height * nrows), squeeze=False)
-    return fig, axes
+    return _plt().subplots(nrows, ncols, figsize=(12, height * nrows), squeeze=False)
 
 
 def learning_curves(d: ReportData) -> bytes | None:
@@ -86,8 +89,8 @@ def learning_curves(d: ReportData) -> bytes | None:
                             textcoords="offset points", xytext=(0, 6), ha="center",
                             color="0.35")
         _rollback_lines(ax, [v.env_steps for v in d.rollbacks])
-        ax.set_ylim(-0.05, 1.1)
-        ax.legend(loc="upper left")
+        ax.set(ylim=(-0.05, 1.25), yticks=np.linspace(0, 1, 6))
+        ax.legend(loc="upper left", ncol=3)
     else:
         _nodata(ax, "no eval events")
     ax.set_xlabel("env steps trained on")
@@ -102,11 +105,11 @@ def learning_curves(d: ReportData) -> bytes | None:
         rolling = (csum[idx] - csum[np.maximum(idx - window, 0)]) / np.minimum(idx, window)
         ax.plot(t, rolling, color="C2", label=f"rolling mean ({window} episodes)")
         ax.plot(t, csum[1:] / idx, color="0.5", linewidth=1, label="cumulative mean")
-        ax.plot(t, ok * 1.04 - 0.02, "|", color="C2", alpha=0.35, markersize=6,
-                label="episode outcome")
+        ax.plot(t, ok * 1.08 - 0.04, "|", color="C3", alpha=0.5, markersize=8,
+                label="episode outcome (0/1)")
         _rollback_lines(ax, [v.ts - d.t0 for v in d.rollbacks])
-        ax.set_ylim(-0.05, 1.1)
-        ax.legend(loc="upper left")
+        ax.set(ylim=(-0.08, 1.3), yticks=np.linspace(0, 1, 6))
+        ax.legend(loc="upper left", ncol=2)
     else:
         _nodata(ax, "no finished trajectories")
     ax.set_xlabel("seconds since first step")
@@ -131,7 +134,7 @@ def reward_components(d: ReportData) -> bytes | None:
     names = sorted({k for s in d.scored for k in s.components}, key=_component_key)
     fig, axes = _figure(2)
     ax = axes[0, 0]
-    x = np.arange(len(versions))
+    x = np.array(versions)
     pos, neg = np.zeros(len(versions)), np.zeros(len(versions))
     for i, name in enumerate(names):
         vals = np.array([np.mean([s.components.get(name, 0.0) for s in by_version[v]])
@@ -145,11 +148,12 @@ def reward_components(d: ReportData) -> bytes | None:
     ax.plot(x, [np.mean([s.total for s in by_version[v]]) for v in versions], "ko-",
             markersize=3, linewidth=1, label="paid total")
     ax.axhline(0, color="0.3", linewidth=0.8)
-    _version_ticks(ax, versions)
+    _integer(ax.xaxis)
     ax.set_xlabel("behaviour policy version (segment min_policy_version)")
     ax.set_ylabel("mean per segment")
     ax.set_title(f"reward components ({len(d.scored)} scored segments)")
-    ax.legend(loc="upper left")
+    _headroom(ax, 0.45)
+    ax.legend(loc="upper left", ncol=3)
     ax = axes[0, 1]
     deciders = sorted({s.decided_by for s in d.scored})
     bottom = np.zeros(len(versions))
@@ -158,12 +162,12 @@ def reward_components(d: ReportData) -> bytes | None:
                           for v in versions])
         ax.bar(x, share, bottom=bottom, color=f"C{i + 4}", label=who, width=0.8)
         bottom += share
-    _version_ticks(ax, versions)
+    _integer(ax.xaxis)
     ax.set_ylim(0, 1)
     ax.set_xlabel("behaviour policy version")
     ax.set_ylabel("share of segments")
     ax.set_title("which arbiter level decided each segment")
-    ax.legend(loc="lower left")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), title="decided by")
     return _png(fig)
 
 
@@ -194,7 +198,9 @@ def staleness(d: ReportData) -> bytes | None:
         ax.set_xticks(np.arange(len(counts)))
         if bound is not None:
             ax.axvline(bound + 0.5, color="C3", linestyle="--", label=f"bound ({bound})")
-        ax.legend(loc="upper right")
+        _integer(ax.yaxis)
+        _headroom(ax, 0.3)
+        ax.legend(loc="upper left", ncol=2)
     else:
         _nodata(ax, "no trained segments joined to segment-closed")
     ax.set_xlabel("staleness at training (versions)")
@@ -213,7 +219,9 @@ def staleness(d: ReportData) -> bytes | None:
             ax.plot(xs, [c or 0.0 for c in cum], "s-", color="0.5", markersize=3,
                     label="stale drops (cumulative)")
         _rollback_lines(ax, [v.version for v in d.rollbacks])
-        ax.legend(loc="upper left")
+        _integer(ax.xaxis)
+        _headroom(ax, 0.35)
+        ax.legend(loc="upper left", ncol=2)
     else:
         _nodata(ax, "no charts/max_staleness_seen")
     ax.set_xlabel("policy version")
@@ -233,7 +241,8 @@ def segments(d: ReportData) -> bytes | None:
     ax.set_xlabel("segment length (steps)")
     ax.set_ylabel("segments")
     ax.set_title(f"segment lengths ({len(lengths)} segments, median {np.median(lengths):.0f})")
-    ax.legend()
+    _headroom(ax, 0.15)
+    ax.legend(loc="upper left")
     ax = axes[0, 1]
     reasons = Counter(s.boundary for s in d.segments)
     names = list(BOUNDARIES) + sorted(set(reasons) - set(BOUNDARIES))
@@ -246,37 +255,44 @@ def segments(d: ReportData) -> bytes | None:
 
 
 def _rate(ts: np.ndarray, t0: float, t1: float, width: float) -> tuple[np.ndarray, np.ndarray]:
-    """Events per second in ``width``-second bins (a short last bin is scaled, or dropped)."""
-    edges = np.arange(t0, t1 + width, width)
-    if len(edges) < 2:
-        edges = np.array([t0, t0 + width])
+    """Events per second in ``width``-second bins from ``t0``: (edges - t0, rates).
+
+    The last bin is usually partial: scaled by its real length, or dropped when shorter
+    than half a bin (it would read as a slowdown that never happened).
+    """
+    n = max(1, int(np.ceil((t1 - t0) / width)))
+    edges = t0 + width * np.arange(n + 1)
     counts, _ = np.histogram(ts, bins=edges)
-    span = np.minimum(edges[1:], max(t1, t0 + 1e-9)) - edges[:-1]
-    keep = (span >= width / 2) | (np.arange(len(span)) == 0)
-    return edges[:-1][keep] - t0, counts[keep] / np.maximum(span[keep], 1.0)
+    span = np.minimum(edges[1:], t1) - edges[:-1]
+    if n > 1 and span[-1] < width / 2:
+        counts, edges, span = counts[:-1], edges[:-1], span[:-1]
+    return edges - t0, counts / np.maximum(span, width / 20)
 
 
 def throughput(d: ReportData, bin_s: float = 10.0) -> bytes | None:
+    """Env steps/s and segments/s in 10 s bins (finer on runs shorter than 100 s)."""
     if not d.step_ts and not d.segments and not d.versions:
         return None
     fig, axes = _figure(2)
     t_end = max([d.t0, *d.step_ts[-1:], *(s.ts for s in d.segments[-1:]),
                  *(v.ts for v in d.versions)])
+    if t_end - d.t0 < 10 * bin_s:  # at least ~10 bins
+        bin_s = max(0.1, round((t_end - d.t0) / 10, 1))
     ax = axes[0, 0]
     if d.step_ts:
-        x, rate = _rate(np.array(d.step_ts), d.t0, t_end, bin_s)
-        ax.step(x, rate, where="post", color="C0", label="env steps/s")
+        edges, rate = _rate(np.array(d.step_ts), d.t0, t_end, bin_s)
+        ax.stairs(rate, edges, color="C0", fill=True, alpha=0.3)
         ax.set_ylabel("env steps/s", color="C0")
         ax.set_ylim(bottom=0)
         _rollback_lines(ax, [v.ts - d.t0 for v in d.rollbacks])
         if d.segments:
             tw = ax.twinx()
-            x, srate = _rate(np.array([s.ts for s in d.segments]), d.t0, t_end, bin_s)
-            tw.step(x, srate, where="post", color="C1", label="segments/s")
+            edges, srate = _rate(np.array([s.ts for s in d.segments]), d.t0, t_end, bin_s)
+            tw.stairs(srate, edges, color="C1", linewidth=1.2)
             tw.set_ylabel("segments/s", color="C1")
             tw.set_ylim(bottom=0)
             tw.grid(False)
-        ax.set_title(f"throughput ({bin_s:.0f} s bins; {len(d.step_ts)} steps)")
+        ax.set_title(f"throughput ({bin_s:g} s bins; {len(d.step_ts):,} steps)")
     else:
         _nodata(ax, "no trajectory-step events")
         ax.set_title("throughput")
@@ -290,6 +306,7 @@ def throughput(d: ReportData, bin_s: float = 10.0) -> bytes | None:
             ax.plot([e.ts - d.t0 for e in d.evals], [e.policy_version for e in d.evals],
                     "D", color="C4", markersize=5, label="evaluated")
         _rollback_lines(ax, [v.ts - d.t0 for v in d.rollbacks])
+        _integer(ax.yaxis)
         ax.legend(loc="upper left")
     else:
         _nodata(ax, "no policy-version events")
@@ -317,47 +334,34 @@ def learner(d: ReportData) -> bytes | None:
         _rollback_lines(ax, [v.version for v in d.rollbacks], label=False)
         ax.set_title(key)
         ax.set_xlabel("policy version")
+        _integer(ax.xaxis)
     for ax in list(axes.flat)[len(keys):]:
         ax.set_visible(False)
     return _png(fig)
 
 
+#: section id -> (figure, title, caption)
 FIGURES = {
-    "learning_curves": learning_curves,
-    "reward_components": reward_components,
-    "staleness": staleness,
-    "segments": segments,
-    "throughput": throughput,
-    "learner": learner,
-}
-
-
-CAPTIONS = {  # section id -> (title, caption)
-    "learning_curves": (
-        "Learning curves",
-        ("Left: validation success rate and mean score of each evaluated policy version (eval "
-        "events), placed at the env steps that version was trained on. Right: training success "
-        "of finished trajectories (segment-closed with trajectory_done), rolling and cumulative.")),
-    "reward_components": (
-        "Reward components",
-        ("Mean of each arbiter component per scored segment, grouped by the policy version that "
-        "acted (min_policy_version). Feedback is recorded but never paid; guard:* counts vetoed "
-        "claims. Black: the paid total. Right: the arbiter level that decided each segment.")),
-    "staleness": (
-        "Staleness",
-        ("Per trained segment: learner version at training minus the segment's "
+    "learning_curves": (learning_curves, "Learning curves", (
+        "Left: validation success rate and mean score of each evaluated policy version (eval "
+        "events), at the env steps that version was trained on. Right: training success of "
+        "finished trajectories (segment-closed with trajectory_done), rolling and cumulative.")),
+    "reward_components": (reward_components, "Reward components", (
+        "Mean of each arbiter component per scored segment, by the policy version that acted "
+        "(min_policy_version). Feedback is recorded but never paid; guard:* counts vetoed "
+        "claims; black: the paid total. Right: the arbiter level that decided each segment.")),
+    "staleness": (staleness, "Staleness", (
+        "Per trained segment: learner version at training minus the segment's "
         "min_policy_version (policy-version.trained_segments joined with segment-closed). "
         "Dashed: the configured bound (loop.max_staleness).")),
-    "segments": (
-        "Segments",
-        "Length (step_end - step_start) and boundary reason of every closed segment."),
-    "throughput": (
-        "Throughput",
-        ("Env steps/s from trajectory-step timestamps and segments/s from segment-closed "
-        "timestamps, in 10 s bins; right: each policy version's publication time.")),
-    "learner": (
-        "Learner diagnostics",
-        ("Every losses/* metric and reward chart the learner attached to each update's "
+    "segments": (segments, "Segments", (
+        "Length (step_end - step_start) and boundary reason of every closed segment.")),
+    "throughput": (throughput, "Throughput", (
+        "Env steps/s (blue) from trajectory-step timestamps and segments/s (orange) from "
+        "segment-closed timestamps, in 10 s bins (finer for runs under 100 s); right: when "
+        "each policy version was published and evaluated.")),
+    "learner": (learner, "Learner diagnostics", (
+        "Every losses/* metric and reward chart the learner attached to each update's "
         "policy-version event.")),
 }
 
@@ -367,12 +371,10 @@ body{font-family:system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;margin:0;c
 background:#f5f6f8}main{max-width:1240px;margin:0 auto;padding:16px 24px 48px}
 header{background:#1d2330;color:#f5f6f8;padding:18px 24px}header h1{margin:0 0 4px;font-size:22px}
 header .meta{font-size:13px;opacity:.8}nav{margin:12px 0;font-size:13px}nav a{margin-right:14px}
-section{background:#fff;border-radius:8px;padding:14px 18px;margin:14px 0;
-box-shadow:0 1px 3px rgba(0,0,0,.08)}h2{font-size:17px;margin:0 0 8px}
-.cards{display:grid;grid-template-columns:repeat(auto-fill,minmax(140px,1fr));gap:10px;
-margin:14px 0}
-.card{background:#fff;border-radius:8px;padding:10px 12px;box-shadow:0 1px 3px rgba(0,0,0,.08)}
-.card .v{font-size:22px;font-weight:600}.card .k{font-size:12px;color:#5b6375}
+section,.card{background:#fff;border-radius:8px;box-shadow:0 1px 3px rgba(0,0,0,.08)}
+section{padding:14px 18px;margin:14px 0}h2{font-size:17px;margin:0 0 8px}.card{padding:10px 12px}
+.cards{display:grid;grid-template-columns:repeat(auto-fill,minmax(118px,1fr));gap:10px;
+margin:14px 0}.card .v{font-size:22px;font-weight:600}.card .k{font-size:12px;color:#5b6375}
 img{max-width:100%;height:auto;display:block}p.cap,.cap{font-size:13px;color:#4a5263}
 .nodata{color:#8a90a0;font-style:italic;padding:18px;background:#fafbfc;border-radius:6px}
 table{border-collapse:collapse;font-size:13px;margin:6px 0}td,th{padding:3px 10px;
@@ -388,7 +390,7 @@ def render_all(d: ReportData) -> dict[str, bytes | None | Exception]:
     out: dict[str, bytes | None | Exception] = {}
     plt = _plt()
     with plt.rc_context(RC):
-        for name, fn in FIGURES.items():
+        for name, (fn, _, _) in FIGURES.items():
             try:
                 out[name] = fn(d)
             except Exception as exc:  # noqa: BLE001 - a broken figure must not sink the page

@@ -60,11 +60,15 @@ def install_stop_signals(stop: Callable[[], None]) -> None:
 
 
 async def run_actor(role: str, cfg: Config, bus_override: str | None = None,
-                    name: str | None = None) -> None:
+                    name: str | None = None, metrics_port: int | None = None) -> None:
     """One role in this process until SIGTERM (``gyre actor ROLE``)."""
     actor = build_actor(role, cfg)
     async with open_run_bus(cfg, bus_override) as bus:
         runner = ActorRunner(actor, bus, run_id=cfg.run.run_id, name=name or role,
                              partitions=cfg.bus.partitions)
         install_stop_signals(runner.stop)
+        if metrics_port:
+            from .metrics import serve_actor_metrics
+
+            serve_actor_metrics(runner, metrics_port)
         await runner.run()

@@ -29,7 +29,12 @@ from gyre_async.actor import ActorRunner
 from gyre_async.bus import open_bus
 from gyre_async.bus.reading import read_topics
 from gyre_async.launcher import Launcher, Role, backoff_s, describe_exit
-from gyre_async.metrics import actor_metrics, render, serve_actor_metrics, start_metrics_server
+from gyre_async.metrics import (
+    actor_metrics,
+    render,
+    serve_actor_metrics,
+    start_metrics_server,
+)
 from schemas import decode, encode, event_id
 from schemas.config import EchoConfig
 from schemas.events import PolicyVersion, Probe
@@ -37,7 +42,8 @@ from schemas.topics import POLICY_VERSION, PROBE_IN
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "ops" / "configs" / "tiny.toml"
-SAMPLE = re.compile(r'^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})? (?P<value>\S+)$')
+SAMPLE = re.compile(
+    r'^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})? (?P<value>\S+)$')
 
 
 # -- helpers ---------------------------------------------------------------------------------
@@ -67,11 +73,11 @@ def write_config(tmp_path: Path, run_id: str) -> Path:
 
 def launch(tmp_path: Path, cfg: Path, bus: str, *extra: str) -> tuple[subprocess.Popen, Path]:
     status = tmp_path / "status.json"
-    log = open(tmp_path / "launcher.log", "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gyre_async.launcher", str(cfg), "--bus", bus,
-         "--status-file", str(status), *extra],
-        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    with open(tmp_path / "launcher.log", "w") as log:  # the child keeps its own descriptor
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gyre_async.launcher", str(cfg), "--bus", bus,
+             "--status-file", str(status), *extra],
+            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     return proc, status
 
 
@@ -138,7 +144,8 @@ def test_crash_looping_role_exhausts_restarts_and_launcher_fails(tmp_path, capsy
     assert "restart limit 2 reached" in err
     final = json.loads(status.read_text())
     assert final["stopped"] and final["failed_role"] == "crasher"
-    assert final["roles"]["crasher"]["restarts"] == 3 and len(final["roles"]["crasher"]["pids"]) == 3
+    crasher = final["roles"]["crasher"]
+    assert crasher["restarts"] == 3 and len(crasher["pids"]) == 3
     assert final["roles"]["oneshot"]["done"] and final["roles"]["oneshot"]["restarts"] == 0
 
 
@@ -211,6 +218,58 @@ async def published_versions(url: str, run_id: str) -> list[int]:
     events = [decode(POLICY_VERSION, r.value, 1 << 40) for r in records]
     return sorted({e.version for e in events if isinstance(e, PolicyVersion)
                    and e.run_id == run_id})
+
+
+# -- topic provisioning ----------------------------------------------------------------------
+
+def test_provision_topics_help_and_plan():
+    script = str(ROOT / "ops" / "provision_topics.py")
+    help_text = subprocess.run([sys.executable, script, "--help"], capture_output=True,
+                               text=True, check=True).stdout
+    assert "--bus" in help_text and "--keep-policy-history" in help_text
+    out = subprocess.run([sys.executable, script, "--plan", "--config", str(TINY),
+                          "--partitions", "6"], capture_output=True, text=True, check=True)
+    plan = {t["name"]: t for t in json.loads(out.stdout)}
+    assert plan[POLICY_VERSION]["partitions"] == 1
+    assert plan[POLICY_VERSION]["configs"]["cleanup.policy"] == "compact"
+    assert plan["trajectory-step"]["partitions"] == 6
+    assert plan["trajectory-step"]["configs"]["retention.ms"] == str(72 * 3_600_000)
+
+
+@pytest.mark.kafka
+def test_provision_topics_checks_each_error_code_on_noida(noida, unique, capsys):
+    """noida-db, unlike Tansu, refuses an impossible replication factor: the per-topic
+    error code must turn into exit status 1 (aiokafka's create_topics does not raise)."""
+    sys.path.insert(0, str(ROOT / "ops"))
+    from types import SimpleNamespace
+
+    from aiokafka.admin import AIOKafkaAdminClient
+    from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+    from provision_topics import plan_topics, provision
+
+    args = SimpleNamespace(partitions=2, replication_factor=1, max_message_bytes=1_000_000,
+                           steps_retention_hours=1, retention_days=2, policy_history_days=1,
+                           keep_policy_history=False)
+    plan = [{**t, "name": f"{unique}.{t['name']}"} for t in plan_topics(args)]
+    assert asyncio.run(provision(plan, noida, {}, dry_run=False, timeout_ms=10_000)) == 0
+    assert capsys.readouterr().out.count("created") == len(plan)
+    assert asyncio.run(provision(plan, noida, {}, dry_run=False, timeout_ms=10_000)) == 0
+    assert capsys.readouterr().out.count("exists") == len(plan)
+    bad = [{**t, "name": t["name"] + ".rf3", "replication_factor": 3} for t in plan[:2]]
+    assert asyncio.run(provision(bad, noida, {}, dry_run=False, timeout_ms=10_000)) == 1
+    assert "InvalidReplicationFactorError" in capsys.readouterr().err
+
+    async def policy_config():
+        admin = AIOKafkaAdminClient(bootstrap_servers=noida)
+        await admin.start()
+        try:
+            [response] = await admin.describe_configs(
+                [ConfigResource(ConfigResourceType.TOPIC, f"{unique}.{POLICY_VERSION}")])
+            return {e[0]: e[1] for e in response.resources[0][4]}
+        finally:
+            await admin.close()
+
+    assert asyncio.run(policy_config())["cleanup.policy"] == "compact"
 
 
 # -- Prometheus endpoint ---------------------------------------------------------------------
@@ -292,24 +351,16 @@ def test_metrics_server_reports_collect_errors():
         server.stop()
 
 
-def _cli_has_metrics_port() -> bool:
-    help_text = subprocess.run([sys.executable, "-m", "gyre_async.cli", "actor", "--help"],
-                               cwd=ROOT, capture_output=True, text=True).stdout
-    return "--metrics-port" in help_text
-
-
 def test_gyre_actor_metrics_port_serves_prometheus(tmp_path):
-    if not _cli_has_metrics_port():
-        pytest.skip("gyre actor --metrics-port is not wired into gyre_async/cli.py yet")
     from brokers import free_port
 
     port = free_port()
     cfg = tmp_path / "echo.toml"
     cfg.write_text(f'[run]\nrun_id = "metrics"\nrun_dir = "{tmp_path / "run"}"\n')
-    log = open(tmp_path / "echo.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "gyre_async.cli", "actor", "echo", "--config",
-                             str(cfg), "--bus", f"sqlite:///{tmp_path}/events.db",
-                             "--metrics-port", str(port)], cwd=ROOT, stdout=log, stderr=log)
+    with open(tmp_path / "echo.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "gyre_async.cli", "actor", "echo",
+                                 "--config", str(cfg), "--bus", f"sqlite:///{tmp_path}/events.db",
+                                 "--metrics-port", str(port)], cwd=ROOT, stdout=log, stderr=log)
     try:
         def scrape():
             try:

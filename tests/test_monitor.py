@@ -156,16 +156,19 @@ def test_heartbeats_rates_lag_and_a_silent_actor_is_named():
         s.fold(hb("learner", "learner", t, processed=10 * t, lag=7))
     for t in (0, 5, 10, 15):
         s.fold(hb("sampler", "sampler", t, processed=t))
+    for t in (30, 35, 40):  # a second sampler process, named apart
+        s.fold(hb("sampler-2", "sampler", t, processed=2 * t, lag=4))
     s.fold(hb("arbiter", "arbiter", 30, processed=3))
     assert s.silent_actors() == ["sampler"]  # 40 - 15 = 25 s > 15 s; arbiter 10 s: fine
     assert s.actors["learner"].rate() == 10.0 and s.actors["learner"].lag == 7
-    assert s.role_rates()["sampler"] == 1.0 and s.role_rates()["arbiter"] is None
+    assert s.role_rates()["sampler"] == 3.0 and s.role_rates()["arbiter"] is None
     s.fold(hb("learner", "learner", 45, processed=2))  # restarted: counter began again
     assert s.actors["learner"].rate() is None and s.actors["learner"].processed == 2
     text = frame_text(s)
     assert "SILENT: sampler" in text
-    assert re.search(r"sampler\s+sampler\s+15\s+.*\s30s\s+SILENT", text)
-    assert re.search(r"arbiter\s+arbiter\s+3\s+-\s+0\s+15s\s+ok", text)
+    assert re.search(r"sampler\s+15\s+1\.0/s\s+0\s+30s\s+SILENT", text)
+    assert re.search(r"arbiter\s+3\s+-\s+0\s+15s\s+ok", text)
+    assert re.search(r"sampler-2 \(sampler\)\s+80\s+2\.0/s\s+4\s+5s\s+ok", text)
 
 
 def test_run_filter_skips_other_runs():
@@ -250,7 +253,7 @@ def _num(pattern: str, text: str) -> int:
 def test_monitor_in_a_pty_follows_a_running_loop(tmp_path):
     run_dir = tmp_path / "run"
     cfg = tmp_path / "tiny.toml"
-    cfg.write_text(TINY.read_text().replace("max_versions = 4", "max_versions = 10"))
+    cfg.write_text(TINY.read_text().replace("max_versions = 4", "max_versions = 16"))
     url = f"sqlite:///{run_dir}/events.db"
     env = {**os.environ, "PYTHONIOENCODING": "utf-8", "TERM": "xterm-256color",
            "COLUMNS": "160", "LINES": "80"}
@@ -268,7 +271,7 @@ def test_monitor_in_a_pty_follows_a_running_loop(tmp_path):
                             "--refresh", "0.3"], env)
         checked, versions_seen = 0, []
         while run.poll() is None and time.monotonic() < deadline:
-            time.sleep(2.5)
+            time.sleep(2.0)
             text = screen.frame()
             if text is None or "policy v" not in text or run.poll() is not None:
                 continue

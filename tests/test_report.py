@@ -29,7 +29,24 @@ from gyre_async.bus import open_bus
 from gyre_async.config import load_config
 from gyre_async.loop import run_loop
 from gyre_async.report import add_parser, build_report, run
-from schemas.topics import ALL_TOPICS
+from schemas import encode
+from schemas.events import (
+    DeadLetter,
+    EvalResult,
+    PolicyVersion,
+    Scored,
+    SegmentClosed,
+    SegmentDropped,
+)
+from schemas.topics import (
+    ALL_TOPICS,
+    DEAD_LETTER,
+    EVAL,
+    POLICY_VERSION,
+    SCORED,
+    SEGMENT_CLOSED,
+    TELEMETRY,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "ops" / "configs" / "tiny.toml"
@@ -219,12 +236,53 @@ def test_report_of_a_real_run_renders_offline(tiny_run, tmp_path):
     assert width == 1280 and height > 2000
 
 
-async def _empty_log(path: Path) -> None:
+async def _write_log(path: Path, events: list[tuple[str, object]]) -> None:
     async with open_bus(f"sqlite:///{path}") as bus:
         await bus.create_topics(ALL_TOPICS, 2)
+        for topic, event in events:
+            await bus.publish(topic, [(event.key.encode(), encode(event))])
 
 
-def test_report_cli_on_runs_without_data(tmp_path, capsys):
+def _synthetic_run(t0: float) -> list[tuple[str, object]]:
+    """Four updates, a rollback to v2's weights as v5, evaluations, drops, a dead letter."""
+    ids = {"run_id": "syn", "producer": "test"}
+    out: list[tuple[str, object]] = []
+    for i in range(12):
+        seg = SegmentClosed(event_id=f"s{i}", key=f"t{i}", segment_id=f"s{i}",
+                            trajectory_id=f"t{i}", task_id="task", step_start=0, step_end=4 + i,
+                            boundary="trajectory-end", address="a", content_hash="h",
+                            min_policy_version=i // 4, max_policy_version=i // 4,
+                            trajectory_done=True, success=i % 3 == 0, ts=t0 + i, **ids)
+        out.append((SEGMENT_CLOSED, seg))
+        out.append((SCORED, Scored(
+            event_id=f"sc{i}", key=f"t{i}", segment_id=f"s{i}", trajectory_id=f"t{i}",
+            task_id="task", address="a", content_hash="h", step_start=0, step_end=4 + i,
+            min_policy_version=i // 4, trajectory_done=True, success=i % 3 == 0,
+            components={"outcome": float(i % 3 == 0), "milestone": 0.5, "guard:unproven": 0.0,
+                        "feedback": -0.2}, step_rewards=[0.0] * (4 + i), total=0.5,
+            decided_by="outcome", ts=t0 + i + 0.5, **ids)))
+    for v in range(6):
+        reason = "init" if v == 0 else "rollback" if v == 5 else "update"
+        out.append((POLICY_VERSION, PolicyVersion(
+            event_id=f"v{v}", key="policy", version=v, checkpoint="c", checkpoint_hash="h",
+            parent=v - 1 if v else None, reason=reason, env_steps=100 * v,
+            metrics={} if reason != "update" else {"losses/entropy": 2.0 - v / 10,
+                                                   "charts/max_staleness_seen": float(v % 2)},
+            trained_segments=[f"s{j}" for j in range(4 * (v - 1), 4 * v)] if v < 4 else [],
+            ts=t0 + 3 * v, **ids)))
+        out.append((EVAL, EvalResult(event_id=f"e{v}", key="eval", policy_version=v,
+                                     episodes=8, success_rate=v / 8, mean_score=v / 6,
+                                     mean_length=50.0, ts=t0 + 3 * v + 1, **ids)))
+    out.append((TELEMETRY, SegmentDropped(event_id="d0", key="t9", segment_id="s9",
+                                          reason="stale", staleness=3, ts=t0 + 9, **ids)))
+    out.append((DEAD_LETTER, DeadLetter(
+        event_id="dl0", key="x", actor="arbiter", source_topic=SEGMENT_CLOSED,
+        source_partition=1, source_offset=7, reason="unknown schema version 9 <b>",
+        original=b"\x00", ts=t0 + 5, **ids)))
+    return out
+
+
+def test_report_cli_without_data_and_with_a_rollback(tmp_path, capsys):
     parser = argparse.ArgumentParser(prog="gyre")
     add_parser(parser.add_subparsers(dest="command"))
     run_dir = tmp_path / "empty"
@@ -235,12 +293,23 @@ def test_report_cli_on_runs_without_data(tmp_path, capsys):
     assert "no event log" in page and page.count("no data") >= len(FIGURES)
     assert not (run_dir / "events.db").exists()  # reading never creates a log
 
-    asyncio.run(_empty_log(run_dir / "events.db"))  # every topic, no events
+    asyncio.run(_write_log(run_dir / "events.db", []))  # every topic, no events
     out = tmp_path / "elsewhere" / "r.html"
     assert run(parser.parse_args(["report", str(run_dir), "--out", str(out)])) == 0
     assert capsys.readouterr().out.strip().endswith(str(out))
     page = out.read_text()
     assert "<img " not in page and page.count("no data") >= len(FIGURES)
     assert "figure failed" not in page and "0 dead letters" in page
+
+    synthetic = tmp_path / "synthetic"
+    synthetic.mkdir()
+    asyncio.run(_write_log(synthetic / "events.db", _synthetic_run(time.time() - 100)))
+    assert run(parser.parse_args(["report", str(synthetic)])) == 0
+    page = (synthetic / "report.html").read_text()
+    assert "figure failed" not in page and page.count("<img ") == len(FIGURES)
+    assert "computed from the event log" in page  # no summary.json
+    assert "v5 at " in page  # the rollback, listed under health
+    assert "unknown schema version 9 &lt;b&gt;" in page  # dead letter reason, escaped
+    assert "stale: 1" in page
 
     assert run(parser.parse_args(["report", str(tmp_path / "missing")])) == 2

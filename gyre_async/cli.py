@@ -75,6 +75,7 @@ def _parser() -> argparse.ArgumentParser:
     rep.add_argument("--bus", help="bus URL of the recorded run")
     rep.add_argument("--config", help="the run's config file")
     rep.add_argument("--name", help="actor name used in the run (default: the role)")
+    rep.add_argument("--run-dir", help="the run's directory (stores), if not in the config")
     rep.add_argument("--json", action="store_true", help="print the full report as JSON")
 
     ins = sub.add_parser("inspect", help="one trajectory: steps, segments, rewards, versions",

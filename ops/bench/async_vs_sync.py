@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix=f"gyre-{mode}-") as tmp:
             cfg = configure(base, mode, tmp, args.seconds, args.latency, args.sigma)
             s = asyncio.run(run_loop(cfg, progress=False))
-        rate = s["env_steps"] / max(s["wall_seconds"], 1e-9)
+        rate = s["env_steps_per_s"]  # over the sampling span (evaluations excluded)
         results[mode] = {"steps_per_s": rate, "success": s["final_success"],
                          "score": s["final_score"], "versions": s["policy_versions"]}
         print(f"{mode:>5}: {s['env_steps']} env steps, {rate:.1f} steps/s, "

@@ -106,6 +106,10 @@ class SegmenterCore:
         seg = self.open.setdefault(tid, OpenSegment())
         if seg.steps and step.step_index <= seg.steps[-1].step_index:
             return []  # duplicate within the open segment
+        if seg.steps and step.step_index != seg.steps[-1].step_index + 1:
+            # A gap (a step lost upstream, e.g. dead-lettered): a segment covers contiguous
+            # steps only, so cut before the gap and start a new segment at this step.
+            return [self._close(tid, "max-length", terminal=False)] + self.add(step, where)
         seg.steps.append(step)
         seg.offsets.append(where)
         if step.done or step.truncated:

@@ -134,6 +134,7 @@ class ActorRunner:
         self._started = time.monotonic()
         self._hb_seq = 0
         self._consumer = None
+        self._held: dict[tuple[str, int], int] = {}  # next offsets held back by the floor
         self.log = log.bind(run_id=run_id, actor=self.name)
         actor.runner = self
 
@@ -207,8 +208,9 @@ class ActorRunner:
             records = await self._consumer.fetch(self.max_in_flight, self.fetch_timeout_s)
             if not records:
                 outputs = list(await self.actor.after_batch())
-                if outputs:
-                    await self.emit(outputs)
+                if outputs or self._held:
+                    # commit what the actor no longer needs now that its state moved on
+                    await self._publish_with_retry(outputs, self._apply_floor(dict(self._held)))
                 continue
             outputs: list[Emit] = []
             next_offsets: dict[tuple[str, int], int] = {}
@@ -216,11 +218,23 @@ class ActorRunner:
                 outputs.extend(await self._process(record))
                 next_offsets[(record.topic, record.partition)] = record.offset + 1
             outputs.extend(await self.actor.after_batch())
-            floor = self.actor.commit_floor()
-            for tp, floor_offset in floor.items():
-                if tp in next_offsets:
-                    next_offsets[tp] = min(next_offsets[tp], floor_offset)
-            await self._publish_with_retry(outputs, next_offsets)
+            self._held.update(next_offsets)
+            await self._publish_with_retry(outputs, self._apply_floor(next_offsets))
+
+    def _apply_floor(self, offsets: dict[tuple[str, int], int]) -> dict[tuple[str, int], int]:
+        """Never commit past what the actor's in-memory state still needs (commit_floor).
+
+        Offsets held back are remembered and committed once the state lets go of them.
+        """
+        floor = self.actor.commit_floor()
+        owned = self._consumer.assignment() if self._consumer is not None else set()
+        for tp in [tp for tp in self._held if tp not in owned]:
+            del self._held[tp]  # the partition moved to another member: not ours to commit
+        out = {tp: min(o, floor.get(tp, o)) for tp, o in offsets.items() if tp in owned}
+        for tp, o in list(self._held.items()):
+            if floor.get(tp, o) >= o:
+                del self._held[tp]  # fully committable now
+        return out
 
     async def _publish_with_retry(self, outputs: list[Emit], offsets: dict) -> None:
         batches = self._batches(outputs)

@@ -25,6 +25,7 @@ SCHEMA_VERSION = 1
 #: Upper bounds that keep any one event small (large arrays live in Zarr, not on the bus).
 MAX_TOKENS_PER_STEP = 8192
 MAX_TEXT_CHARS = 16384
+MAX_TOKEN_ID = 2**31 - 1  # token ids are stored as int32 in the segment store
 
 
 def event_id(*parts: object) -> str:
@@ -102,6 +103,10 @@ class TrajectoryStep(Event, tag="trajectory-step", frozen=True, kw_only=True):
             raise ValueError("action_tokens and action_logprobs must have the same length")
         if len(self.context_tokens) + len(self.action_tokens) > MAX_TOKENS_PER_STEP:
             raise ValueError(f"step carries more than {MAX_TOKENS_PER_STEP} tokens")
+        for name, tokens in (("context_tokens", self.context_tokens),
+                             ("action_tokens", self.action_tokens)):
+            if any(not 0 <= t < MAX_TOKEN_ID for t in tokens):
+                raise ValueError(f"{name} must be token ids in [0, {MAX_TOKEN_ID})")
         if len(self.action_text) > MAX_TEXT_CHARS:
             raise ValueError(f"action_text longer than {MAX_TEXT_CHARS} characters")
         _finite("action_logprobs", *self.action_logprobs)
@@ -152,6 +157,11 @@ class SegmentClosed(Event, tag="segment-closed", frozen=True, kw_only=True):
             raise ValueError("step_end must be > step_start")
         if len(self.feedback) not in (0, self.step_end - self.step_start):
             raise ValueError("feedback must have one value per step")
+        if self.milestone_steps and len(self.milestone_steps) != len(self.milestones):
+            raise ValueError("milestone_steps must have one step per milestone")
+        if any(not self.step_start <= s < self.step_end for s in self.milestone_steps):
+            raise ValueError("milestone_steps must lie inside [step_start, step_end)")
+        _non_negative("min_policy_version", self.min_policy_version)
         _finite("feedback", *self.feedback)
 
 

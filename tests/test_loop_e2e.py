@@ -38,6 +38,7 @@ async def read_events(url: str, topics):
         for record in await read_topics(bus, topics):
             out[record.topic].append((record, decode(record.topic, record.value, 1 << 40)))
         committed = {"learner": await bus.committed("tiny.learner", SCORED),
+                     "arbiter": await bus.committed("tiny.arbiter", SEGMENT_CLOSED),
                      "segmenter": await bus.committed("tiny.segmenter", TRAJECTORY_STEP)}
         return out, committed
 
@@ -78,7 +79,11 @@ def check_invariants(events, committed, run_dir: Path, max_staleness: int) -> di
         arrays = store.read(seg.address)  # verifies the content hash
         assert len(arrays["step_index"]) == seg.step_end - seg.step_start
     scored_ids = [e.segment_id for _, e in scored]
-    assert sorted(scored_ids) == sorted({s.segment_id for s in segments})
+    assert len(scored_ids) == len(set(scored_ids)), "a segment was scored twice"
+    assert set(scored_ids) <= {s.segment_id for s in segments}
+    arbitrated = {e.segment_id for r, e in events[SEGMENT_CLOSED]
+                  if r.offset < committed["arbiter"].get(r.partition, 0)}
+    assert arbitrated <= set(scored_ids), "a segment the arbiter consumed was never scored"
 
     # Every scored segment the learner committed entered exactly one batch or was dropped.
     trained = [sid for v in versions for sid in v.trained_segments]

@@ -249,3 +249,13 @@ async def test_oversized_publish_raises_message_too_large(tmp_path):
             await bus.publish(PROBE_IN, [(b"k", encode(small)), (b"k", encode(big))])
         total = sum(sum(t.end_offsets.values()) for t in await bus.topics())
     assert total == 1
+
+
+def test_credentials_in_kafka_url_authority_are_refused_without_echo():
+    import pytest
+
+    from gyre_async.bus import open_bus
+
+    with pytest.raises(ValueError) as info:
+        open_bus("kafka://user:S3CRET-xyz@127.0.0.1:9092")
+    assert "S3CRET-xyz" not in str(info.value) and "sasl_plain_password" in str(info.value)

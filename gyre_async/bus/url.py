@@ -29,6 +29,9 @@ def open_bus(url: str, **options: object) -> Bus:
     if scheme == "kafka":
         from .kafka import KafkaBus
 
+        if "@" in parsed.netloc:  # never echo the URL: it holds a secret
+            raise ValueError("kafka:// URL with user:password@ in it: pass credentials as "
+                             "sasl_plain_username=...&sasl_plain_password=... query parameters")
         params = dict(parse_qsl(parsed.query))
         return KafkaBus(parsed.netloc, **params, **options)  # type: ignore[arg-type]
     raise ValueError(

@@ -21,6 +21,7 @@ import asyncio
 import uuid
 
 from gyre_async.actor import Actor, Emit
+from gyre_async.bus.reading import iter_topics
 from gyre_async.runlog import current_policy_version
 from gyre_async.envs import make_env
 from gyre_async.policy.base import SamplingParams
@@ -28,7 +29,7 @@ from gyre_async.policy.factory import build_policy, build_tokenizer
 from gyre_async.policy.context import ContextBuilder
 from gyre_async.rl.staleness import StalenessGate
 from gyre_async.rollout import ActionBatcher, PolicyHolder, StepRecord, run_episode
-from schemas import event_id
+from schemas import decode, event_id
 from schemas.config import Config
 from schemas.events import EnvError, Milestone, PolicyVersion, TrajectoryStep
 from schemas.topics import POLICY_VERSION, TRAJECTORY_STEP
@@ -55,6 +56,7 @@ class Sampler(Actor):
         self._version_seen = asyncio.Condition()
         self._outbox: list[Emit] = []
         self.paused_s = 0.0
+        self.abandoned = 0
 
     @classmethod
     def from_config(cls, cfg: Config) -> Sampler:
@@ -62,9 +64,43 @@ class Sampler(Actor):
 
     # -- following the learner -------------------------------------------------------------
     async def on_start(self) -> None:
+        await self._abandon_unfinished()
         latest = await current_policy_version(self.runner.bus)
         if latest is not None:
             await self._follow(latest)
+
+    async def _abandon_unfinished(self) -> None:
+        """End, visibly, the trajectories a previous incarnation of this sampler left open.
+
+        A sampler that died mid-episode can never finish those episodes; without an end
+        their open segments would pin the segmenter's commit floor forever. Each gets an
+        ``env-error`` (the segmenter closes it as truncated); nothing is lost or invented.
+        """
+        known = {t.name for t in await self.runner.bus.topics()}
+        if TRAJECTORY_STEP not in known:
+            return
+        last: dict[str, TrajectoryStep] = {}
+        ended: set[str] = set()
+        prefix = f"{self.runner.name}-"
+        async for record in iter_topics(self.runner.bus, [TRAJECTORY_STEP]):
+            if not (record.key or b"").decode(errors="replace").startswith(prefix):
+                continue
+            event = decode(TRAJECTORY_STEP, record.value, 1 << 40)
+            match event:
+                case TrajectoryStep() if event.done or event.truncated:
+                    ended.add(event.trajectory_id)
+                case TrajectoryStep():
+                    last[event.trajectory_id] = event
+                case EnvError():
+                    ended.add(event.trajectory_id)
+        orphans = [s for tid, s in last.items() if tid not in ended]
+        await self.runner.emit([Emit(TRAJECTORY_STEP, EnvError(
+            event_id=event_id("env-error", self.cfg.run.run_id, s.trajectory_id),
+            run_id=self.cfg.run.run_id, producer=self.runner.name, key=s.trajectory_id,
+            trajectory_id=s.trajectory_id, task_id=s.task_id, step_index=s.step_index + 1,
+            kind="exception", message="abandoned: the sampler restarted mid-episode",
+        )) for s in orphans])
+        self.abandoned = len(orphans)
 
     async def handle(self, event, record):
         match event:

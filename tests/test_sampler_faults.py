@@ -80,3 +80,37 @@ def test_hung_and_crashing_envs_end_only_their_trajectory(tmp_path):
         mine = [s for s in segments if s.trajectory_id == err.trajectory_id]
         if any(s.trajectory_id == err.trajectory_id for s in steps):
             assert mine and mine[-1].boundary == "trajectory-end" and not mine[-1].success
+
+
+def test_restarted_sampler_ends_trajectories_its_predecessor_left_open(tmp_path):
+    from actors.sampler import Sampler
+    from gyre_async.actor import ActorRunner
+    from schemas import encode, event_id
+    from schemas.topics import TRAJECTORY_STEP as TOPIC
+
+    cfg = load_config(TINY)
+    cfg = msgspec.structs.replace(cfg, run=msgspec.structs.replace(cfg.run,
+                                                                   run_dir=str(tmp_path)))
+
+    def step(tid, i, done=False):
+        return TrajectoryStep(event_id=event_id("s", tid, i), run_id="tiny", producer="sampler",
+                              key=tid, trajectory_id=tid, task_id="t", step_index=i,
+                              policy_version=0, context_tokens=[1], action_tokens=[2],
+                              action_logprobs=[-0.1], done=done)
+
+    async def go():
+        async with open_bus(f"sqlite:///{tmp_path}/events.db") as bus:
+            events = [step("sampler-old-0", 0), step("sampler-old-0", 1),   # left open
+                      step("sampler-old-1", 0), step("sampler-old-1", 1, done=True),
+                      step("other-x-0", 0)]                                  # not ours
+            await bus.publish(TOPIC, [(e.key.encode(), encode(e)) for e in events])
+            runner = ActorRunner(Sampler(cfg), bus, run_id="tiny", name="sampler")
+            task = asyncio.create_task(runner.run())
+            await asyncio.sleep(3)
+            runner.stop()
+            await task
+            return [decode(TOPIC, r.value) for r in await read_topics(bus, [TOPIC])]
+
+    errors = [e for e in asyncio.run(go()) if isinstance(e, EnvError)]
+    assert [(e.trajectory_id, e.step_index) for e in errors] == [("sampler-old-0", 2)]
+    assert "abandoned" in errors[0].message

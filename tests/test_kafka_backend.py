@@ -1,7 +1,7 @@
 """What only the Kafka backend has to get right, checked against real brokers.
 
-Both PyPI brokers are started here (``_noida``, ``_tansu``, once per session, through
-``ops/brokers.py``) because they differ exactly where KafkaBus has to paper over it: Tansu
+Both PyPI brokers are used (``_noida``, ``_tansu``: the session brokers of conftest.py,
+started through ``ops/brokers.py`` or by ``.ci/run``) because they differ exactly where KafkaBus has to paper over it: Tansu
 accepts any topic name, refuses the idempotent producer and answers ListOffsets(latest)
 wrongly; noida-db does none of that, but never expires a group member that died without
 leaving, which leaves its group stuck for good. So every test uses fresh topic and group
@@ -29,32 +29,20 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # `ops` is a folder of scripts, not an installed package
 
-from ops.brokers import free_port, probe_metadata, start_broker  # noqa: E402
+from ops.brokers import free_port, probe_metadata  # noqa: E402
 
 pytestmark = pytest.mark.kafka
 
 
-def _broker(kind: str, tmp_path_factory):
-    env = os.environ.get(f"GYRE_TEST_{kind.upper()}")  # reuse a broker .ci/run started
-    if env:
-        yield env
-        return
-    data = tmp_path_factory.mktemp(f"kafka-backend-{kind}")
-    broker = start_broker(kind, data_dir=str(data))
-    try:
-        yield broker.bootstrap
-    finally:
-        broker.stop()
+@pytest.fixture(scope="session")
+def _noida(noida):
+    """The session's noida-db broker (tests/conftest.py starts it, or reuses .ci/run's)."""
+    return noida
 
 
 @pytest.fixture(scope="session")
-def _noida(tmp_path_factory):
-    yield from _broker("noida", tmp_path_factory)
-
-
-@pytest.fixture(scope="session")
-def _tansu(tmp_path_factory):
-    yield from _broker("tansu", tmp_path_factory)
+def _tansu(tansu):
+    return tansu
 
 
 @pytest.fixture(params=["noida", "tansu"])

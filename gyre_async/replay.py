@@ -82,6 +82,12 @@ async def replay(recorded: Bus, role: str, cfg: Config, *, name: str | None = No
     actor = build_actor(role, cfg)
     report = ReplayReport(role=role)
     inputs = await read_topics(recorded, actor.consumes)
+    # Only what the recorded actor consumed and committed: a run stopped mid-stream leaves
+    # later inputs unprocessed, and those must not count as differences.
+    group = f"{cfg.run.run_id}.{actor.role}"
+    done = {t: await recorded.committed(group, t) for t in actor.consumes}
+    if any(done.values()):
+        inputs = [r for r in inputs if r.offset < done[r.topic].get(r.partition, 0)]
     report.inputs = len(inputs)
     emitted = [t for t in actor.emits if t != TELEMETRY]
     recorded_out = _outputs_by_id(await read_topics(recorded, emitted), name)

@@ -77,9 +77,8 @@ class LearnerCore:
         L = self.cfg.learner
         items, self.buffer = self.buffer, []
         prep = prepare_batch(self.policy, items, L.gamma, L.lam)
-        contexts, actions, behav = prep.contexts, prep.actions, prep.behav
-        values, adv, ret, n, S = prep.values, prep.advantages, prep.returns, prep.n, len(items)
-        rewards = prep.rewards
+        contexts, actions, behav, n = prep.contexts, prep.actions, prep.behav, prep.n
+        values, adv, ret = prep.values, prep.advantages, prep.returns
         adv_n = (adv - adv.mean()) / (adv.std() + 1e-8) if n > 1 else adv
         A = max(len(a) for a in actions)
         behav_t = torch.zeros(n, A)
@@ -93,7 +92,7 @@ class LearnerCore:
                 out = self.policy.evaluate([contexts[i] for i in sl], [actions[i] for i in sl])
                 prox[sl, : out.logprobs.shape[1]] = out.logprobs.float()
         stats: dict[str, list[float]] = {}
-        gen = torch.Generator().manual_seed(len(self.buffer) + n)
+        gen = torch.Generator().manual_seed(n)
         for _ in range(L.epochs):
             perm = torch.randperm(n, generator=gen).tolist()
             for start in range(0, n, L.minibatch_steps):
@@ -116,10 +115,9 @@ class LearnerCore:
                     stats.setdefault(key, []).append(val)
         out_stats = {f"losses/{k}": float(np.mean(vals)) for k, vals in stats.items()}
         out_stats.update({
-            "charts/batch_steps": float(n), "charts/batch_segments": float(S),
-            "charts/mean_reward": float(np.mean(rewards)), "charts/mean_value": float(values.mean()),
-            "charts/mean_return": float(ret.mean()),
-            "charts/max_staleness_seen": 0.0,
+            "charts/batch_steps": float(n), "charts/batch_segments": float(len(items)),
+            "charts/mean_reward": float(np.mean(prep.rewards)),
+            "charts/mean_value": float(values.mean()), "charts/mean_return": float(ret.mean()),
         })
         out_stats["advantage_digest"] = prep.digest
         return out_stats

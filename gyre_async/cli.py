@@ -255,6 +255,9 @@ async def _replay(url: str, cfg, args) -> int:
         for change in report.changed:
             fields = ", ".join(change["fields"])
             print(f"  changed  {change['event_id']}: {fields}")
+        if report.not_reached:
+            print(f"  ({len(report.not_reached)} outputs from inputs the recorded run never "
+                  "consumed: not compared)")
         print(f"{report.differences} differences")
     return 1 if report.differences else 0
 

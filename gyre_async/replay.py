@@ -36,6 +36,7 @@ class ReplayReport:
     missing: list[str] = field(default_factory=list)
     extra: list[str] = field(default_factory=list)
     changed: list[dict[str, Any]] = field(default_factory=list)
+    not_reached: list[str] = field(default_factory=list)
 
     @property
     def differences(self) -> int:
@@ -47,6 +48,7 @@ class ReplayReport:
             "recorded_outputs": self.recorded_outputs,
             "replayed_outputs": self.replayed_outputs, "differences": self.differences,
             "missing": self.missing, "extra": self.extra, "changed": self.changed,
+            "not_reached": self.not_reached,
         }
 
 
@@ -82,13 +84,10 @@ async def replay(recorded: Bus, role: str, cfg: Config, *, name: str | None = No
     actor = build_actor(role, cfg)
     report = ReplayReport(role=role)
     inputs = await read_topics(recorded, actor.consumes)
-    # Only what the recorded actor consumed and committed: a run stopped mid-stream leaves
-    # later inputs unprocessed, and those must not count as differences.
-    group = f"{cfg.run.run_id}.{actor.role}"
-    done = {t: await recorded.committed(group, t) for t in actor.consumes}
-    if any(done.values()):
-        inputs = [r for r in inputs if r.offset < done[r.topic].get(r.partition, 0)]
     report.inputs = len(inputs)
+    # A run stopped mid-stream leaves inputs its actor never got to; outputs the replay
+    # makes from them are "not reached", not differences.
+    recorded_lag = await recorded.lag(f"{cfg.run.run_id}.{actor.role}", actor.consumes)
     emitted = [t for t in actor.emits if t != TELEMETRY]
     recorded_out = _outputs_by_id(await read_topics(recorded, emitted), name)
     partitions = {t.name: t.partitions for t in await recorded.topics()}
@@ -126,7 +125,11 @@ async def replay(recorded: Bus, role: str, cfg: Config, *, name: str | None = No
     report.recorded_outputs = len(recorded_out)
     report.replayed_outputs = len(replayed)
     report.missing = sorted(set(recorded_out) - set(replayed))
-    report.extra = sorted(set(replayed) - set(recorded_out))
+    extra = sorted(set(replayed) - set(recorded_out))
+    if recorded_lag > 0:
+        report.not_reached = extra
+    else:
+        report.extra = extra
     for eid in sorted(set(recorded_out) & set(replayed)):
         diff = _diff(recorded_out[eid], replayed[eid])
         if diff:

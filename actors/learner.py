@@ -27,16 +27,19 @@ import torch
 
 from gyre_async import timing
 from gyre_async.actor import Actor, Emit
+from gyre_async.credit_log import restore_outcome_book
 from gyre_async.runlog import current_policy_version
 from gyre_async.policy.factory import build_policy, build_tokenizer, load_weights, save_weights
 from gyre_async.rl.advantages import segment_gae
+from gyre_async.rl.critic import CriticGuard, complete_returns
+from gyre_async.rl.fusion import OutcomeBook, fuse_segments
 from gyre_async.rl.ppo import broadcast_step_advantages, ppo_policy_loss, value_loss
 from gyre_async.rl.staleness import StalenessGate
 from gyre_async.storage.checkpoints import CheckpointStore
 from gyre_async.storage.segments import SegmentStore
 from schemas import event_id
 from schemas.config import Config
-from schemas.events import PolicyVersion, Scored, SegmentDropped
+from schemas.events import CriticReset, PolicyVersion, Scored, SegmentDropped
 from schemas.topics import POLICY_VERSION, SCORED, TELEMETRY
 
 
@@ -63,6 +66,8 @@ class LearnerCore:
         self.policy = policy
         self.optimizer = torch.optim.Adam(policy.parameters(), lr=cfg.learner.learning_rate)
         self.buffer: list[Buffered] = []
+        self.outcomes = OutcomeBook(cfg.sampler.group_size)  # global advantage (rl/fusion.py)
+        self.critic = CriticGuard(cfg.learner, cfg.run.seed)  # critic defences (rl/critic.py)
 
     @property
     def buffered_steps(self) -> int:
@@ -76,8 +81,15 @@ class LearnerCore:
         """One PPO update on everything buffered; empties the buffer."""
         L = self.cfg.learner
         items, self.buffer = self.buffer, []
-        prep = prepare_batch(self.policy, items, L.gamma, L.lam)
+        global_adv = self.outcomes.global_advantages(
+            [(b.scored.trajectory_id, b.scored.task_id, b.scored.trajectory_done) for b in items])
+        prep = prepare_batch(self.policy, items, L.gamma, L.lam, global_adv, L.credit,
+                             L.fusion_max_weight)
         contexts, actions, behav, n = prep.contexts, prep.actions, prep.behav, prep.n
+        self.critic.start(self.policy, prep.rewards)
+        if self.critic.screen(self.policy, self.optimizer, prep.local_advantages):
+            return {**prep.credit_stats(), "critic/skipped_update": 1.0,
+                    "advantage_digest": prep.digest, "fusion_weights": prep.fusion_weights}
         values, adv, ret = prep.values, prep.advantages, prep.returns
         adv_n = (adv - adv.mean()) / (adv.std() + 1e-8) if n > 1 else adv
         A = max(len(a) for a in actions)
@@ -103,7 +115,7 @@ class LearnerCore:
                 tok_adv = broadcast_step_advantages(adv_n[mb], mask)
                 pl, pstats = ppo_policy_loss(out.logprobs, prox[mb, :width], behav_t[mb, :width],
                                              tok_adv, mask, L.clip_eps, L.is_cap)
-                vl = value_loss(out.values.float(), values[mb], ret[mb], clip=0.5)
+                vl = value_loss(out.values.float(), values[mb], ret[mb], clip=L.value_clip or None)
                 ent = (out.entropy * mask).sum() / mask.sum().clamp(min=1)
                 loss = pl + L.value_coef * vl - L.entropy_coef * ent
                 self.optimizer.zero_grad()
@@ -119,8 +131,30 @@ class LearnerCore:
             "charts/mean_reward": float(np.mean(prep.rewards)),
             "charts/mean_value": float(values.mean()), "charts/mean_return": float(ret.mean()),
         })
+        self.critic.after_update(self.policy, self.optimizer, out_stats["losses/value_loss"],
+                                 float(prep.local_advantages.abs().max()))
+        if self.critic.refit_due():
+            out_stats["losses/value_refit"] = refit_on_complete_returns(
+                self, items, prep)
+        out_stats.update(prep.credit_stats())
         out_stats["advantage_digest"] = prep.digest
+        out_stats["fusion_weights"] = prep.fusion_weights  # type: ignore[assignment]
         return out_stats
+
+
+def refit_on_complete_returns(core: LearnerCore, items: list[Buffered], prep) -> float:
+    """The critic's periodic supervised refit on the batch's complete Monte-Carlo returns."""
+    mc = complete_returns([it.scored.step_rewards for it in items],
+                          [it.scored.trajectory_id for it in items],
+                          [it.scored.step_start for it in items],
+                          [it_terminal(it) for it in items], core.cfg.learner.gamma)
+    flat = [r for row in mc for r in row]
+    keep = [i for i, r in enumerate(flat) if r is not None]
+    if not keep:
+        return 0.0
+    return core.critic.refit(core.policy, core.optimizer, [prep.contexts[i] for i in keep],
+                             [prep.actions[i] for i in keep],
+                             torch.tensor([flat[i] for i in keep]), core.cfg.learner.max_grad_norm)
 
 
 def timed_save(*args):
@@ -137,8 +171,19 @@ class PreparedBatch:
     behav: list[list[float]]
     rewards: list[float]
     values: torch.Tensor
-    advantages: torch.Tensor  # raw (before normalisation), one per step
+    advantages: torch.Tensor  # fused (before batch normalisation), one per step
     returns: torch.Tensor
+    local_advantages: torch.Tensor  # raw segment GAE, one per step
+    fusion_weights: list[float]  # weight of the global outcome advantage, one per segment
+    global_known: int = 0  # segments whose trajectory outcome was known
+
+    def credit_stats(self) -> dict[str, float]:
+        w = self.fusion_weights or [0.0]
+        return {"credit/fusion_weight_mean": float(np.mean(w)),
+                "credit/fusion_weight_max": float(np.max(w)),
+                "credit/segments_with_outcome": float(self.global_known),
+                "credit/max_abs_local_advantage": float(self.local_advantages.abs().max())
+                if self.n else 0.0}
 
     @property
     def n(self) -> int:
@@ -151,8 +196,12 @@ class PreparedBatch:
         return hashlib.sha256(data).hexdigest()[:32]
 
 
-def prepare_batch(policy, items: list[Buffered], gamma: float, lam: float) -> PreparedBatch:
-    """Values under ``policy`` and GAE inside each segment, bootstrapped at its boundary.
+def prepare_batch(policy, items: list[Buffered], gamma: float, lam: float,
+                  global_adv: list[float] | None = None, credit: str = "gae",
+                  w_max: float = 0.8) -> PreparedBatch:
+    """Values under ``policy``, GAE inside each segment bootstrapped at its boundary, fused
+    with the per-segment global outcome advantage (``global_adv``, NaN: unknown; see
+    ``gyre_async.rl.fusion``).
 
     Pure given the policy weights and the segments: ``gyre replay learner`` calls it with
     the parent checkpoint to re-derive exactly the advantages each update used.
@@ -189,8 +238,17 @@ def prepare_batch(policy, items: list[Buffered], gamma: float, lam: float) -> Pr
         pos += it.steps
     terminal = torch.tensor([it_terminal(it) for it in items])
     adv2d, ret2d = segment_gae(r, v, m, boot_v, terminal, gamma, lam)
+    g = torch.tensor(global_adv if global_adv is not None else [float("nan")] * S)
+    fused2d, weights = fuse_segments(adv2d, m, g, credit, w_max)  # type: ignore[arg-type]
     kt, tt = torch.tensor(ks), torch.tensor(ts)
-    return PreparedBatch(contexts, actions, behav, rewards, values, adv2d[kt, tt], ret2d[kt, tt])
+    return PreparedBatch(contexts, actions, behav, rewards, values, fused2d[kt, tt],
+                         ret2d[kt, tt], adv2d[kt, tt], weights.tolist(),
+                         int((~torch.isnan(g)).sum()))
+
+
+def _finite_or(x: float, fallback: float = -1.0) -> float:
+    """Events carry finite floats: an infinite reading is capped, a NaN becomes ``fallback``."""
+    return fallback if x != x else max(min(x, 1e300), -1e300)
 
 
 def it_terminal(item: Buffered) -> bool:
@@ -223,6 +281,7 @@ class Learner(Actor):
         self.done_trajectories: set[str] = set()
         self.train_seconds = 0.0
         self.last_metrics: dict[str, float] = {}
+        self._fusion_weights: list[float] = []
 
     def segment_store(self) -> SegmentStore:
         """Opened on first use: in one-process-per-role runs the segmenter creates it."""
@@ -244,6 +303,9 @@ class Learner(Actor):
             self.trained_steps = latest.env_steps
             self.learning_rate = latest.learning_rate or self.learning_rate
             self.core.set_learning_rate(self.learning_rate)
+            self.core.critic.initialised = True  # the checkpoint's critic, not a new prior
+            self.core.outcomes = await restore_outcome_book(self.runner.bus,
+                                                            self.cfg.sampler.group_size)
         else:
             await self.runner.emit([await self._publish("init", {}, [])])
 
@@ -255,6 +317,7 @@ class Learner(Actor):
 
     async def _on_scored(self, scored: Scored, record):
         L = self.cfg.learner
+        self.core.outcomes.record(scored.trajectory_id, scored.segment_id, scored.total)
         if L.max_versions and self.version >= L.max_versions:
             return [self._drop(scored, "budget-spent")]  # the run is winding down
         if self.gate.is_stale(scored.min_policy_version, self.version):
@@ -273,13 +336,28 @@ class Learner(Actor):
         for item, arr in zip(self.core.buffer, arrays):
             item.arrays = arr
         stats = await asyncio.to_thread(self._train)
+        self._fusion_weights = stats.pop("fusion_weights", [])
         self.train_seconds += time.monotonic() - started
         stats["charts/max_staleness_seen"] = float(staleness)
         digest = stats.pop("advantage_digest")
         self.last_metrics = {k: float(v) for k, v in stats.items()}
         self.trained_steps += steps
         self.done_trajectories.clear()
-        return [await self._publish("update", stats, ids, digest)]
+        self.learning_rate = self.core.optimizer.param_groups[0]["lr"]
+        update = await self._publish("update", stats, ids, digest, self._fusion_weights)
+        return [update, *self._critic_resets(stats)]
+
+    def _critic_resets(self, stats: dict[str, float]) -> list[Emit]:
+        found, self.core.critic.resets = self.core.critic.resets, []
+        return [Emit(TELEMETRY, CriticReset(
+            event_id=event_id("critic-reset", self.cfg.run.run_id, self.version, i),
+            run_id=self.cfg.run.run_id, producer=self.runner.name, key="policy",
+            version=self.version, reason=d.reason,  # type: ignore[arg-type]
+            max_abs_advantage=_finite_or(d.max_abs_advantage),
+            value_loss=_finite_or(d.value_loss),
+            learning_rate=self.learning_rate,
+            skipped_update=bool(stats.get("critic/skipped_update"))))
+            for i, d in enumerate(found)]
 
     def _read_segments(self, addresses: list[str]):
         with timing.timed("storage"):
@@ -305,7 +383,7 @@ class Learner(Actor):
         return self.core.buffered_steps >= self.cfg.learner.batch_steps
 
     async def _publish(self, reason: str, stats: dict[str, float], ids: list[str],
-                       digest: str = "") -> Emit:
+                       digest: str = "", fusion_weights: list[float] | None = None) -> Emit:
         version = self.version + 1
         ref = await asyncio.to_thread(
             timed_save, self.checkpoints, self.policy, version,
@@ -319,7 +397,8 @@ class Learner(Actor):
             version=version, checkpoint=ref.address, checkpoint_hash=ref.sha256,
             parent=self.version if self.version >= 0 else None, reason=reason,  # type: ignore[arg-type]
             learning_rate=self.learning_rate, env_steps=self.trained_steps, metrics=metrics,
-            trained_segments=ids, advantage_digest=digest)
+            trained_segments=ids, advantage_digest=digest,
+            fusion_weights=list(fusion_weights or []))
         self.version = version
         return Emit(POLICY_VERSION, event)
 

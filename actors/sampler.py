@@ -171,7 +171,8 @@ class Sampler(Actor):
     async def _episode(self, env, slot: int) -> None:
         n = self.episodes
         self.episodes += 1
-        seed = self.cfg.task.train_seed_start + int(event_id(self.incarnation, n)[:8], 16) % 10**7
+        group = n // self.cfg.sampler.group_size  # consecutive episodes share a task (GRPO group)
+        seed = self.cfg.task.train_seed_start + int(event_id(self.incarnation, group)[:8], 16) % 10**7
         tid = f"{self.runner.name}-{self.incarnation}-{n}"
         task_id = f"{self.cfg.task.env}:{seed}"
         sync = self.cfg.run.mode == "sync"

@@ -39,6 +39,12 @@ def validate(cfg: Config, where: str = "config") -> None:
         problems.append("bus.partitions must be >= 1")
     if cfg.bus.max_message_bytes < 1024:
         problems.append("bus.max_message_bytes must be >= 1024")
+    if cfg.sampler.group_size < 1:
+        problems.append("sampler.group_size must be >= 1 (episodes per task; 1: no groups)")
+    if not 0.0 <= cfg.learner.fusion_max_weight <= 1.0:
+        problems.append("learner.fusion_max_weight must be in [0, 1]")
+    if not 0.0 < cfg.learner.divergence_lr_shrink <= 1.0:
+        problems.append("learner.divergence_lr_shrink must be in (0, 1]")
     for check in _extra_checks:
         problems.extend(check(cfg))
     if problems:

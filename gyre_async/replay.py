@@ -147,34 +147,36 @@ async def replay_learner(recorded: Bus, cfg: Config) -> ReplayReport:
     Retraining is not needed to audit the learner's credit assignment: for each published
     update, load the weights it started from, read the segments it says it trained on (in
     its order) with their recorded rewards, recompute values and segment-level GAE, and
-    compare the fingerprint with the one the learner recorded.
+    compare the fingerprint with the one the learner recorded. The global outcome
+    advantages are re-derived from the log too (``gyre_async.credit_log``), and the fusion
+    weights the learner recorded per segment are compared with the replayed ones.
     """
     from actors.learner import Buffered, prepare_batch
 
+    from .credit_log import read_credit_log, replay_outcome_book
     from .policy.factory import build_policy, load_weights
+    from .rl.fusion import OutcomeBook
     from .storage.segments import SegmentStore
-    from schemas.events import PolicyVersion, Scored
-    from schemas.topics import POLICY_VERSION, SCORED
+    from schemas.events import PolicyVersion
+    from schemas.topics import POLICY_VERSION
 
     report = ReplayReport(role="learner")
     versions: dict[int, PolicyVersion] = {}
-    updates: list[PolicyVersion] = []
     for record in await read_topics(recorded, [POLICY_VERSION]):
         event = decode(POLICY_VERSION, record.value, 1 << 40)
         versions[event.version] = event
-        if event.reason == "update" and event.advantage_digest:
-            updates.append(event)
-    scored: dict[str, Scored] = {}
-    for record in await read_topics(recorded, [SCORED]):
-        event = decode(SCORED, record.value, 1 << 40)
-        if isinstance(event, Scored):
-            scored[event.segment_id] = event
+    scored, all_updates = await read_credit_log(recorded)
+    updates = [u for u in all_updates if u.advantage_digest]
     report.inputs = len(scored)
     report.recorded_outputs = len(updates)
     store = SegmentStore(cfg.segmenter.store or f"{cfg.run.run_dir}/segments.zarr",
                          read_only=True)
     policy = build_policy(cfg)
-    for update in updates:
+    L = cfg.learner
+    book = OutcomeBook(cfg.sampler.group_size)
+    for update, global_adv in replay_outcome_book(book, scored, all_updates):
+        if not update.advantage_digest:
+            continue
         parent = versions.get(update.parent if update.parent is not None else -1)
         missing = [sid for sid in update.trained_segments if sid not in scored]
         if parent is None or missing:
@@ -185,12 +187,17 @@ async def replay_learner(recorded: Bus, cfg: Config) -> ReplayReport:
         arrays = await asyncio.to_thread(store.read_many, [i.scored.address for i in items])
         for item, arr in zip(items, arrays):
             item.arrays = arr
-        prep = await asyncio.to_thread(prepare_batch, policy, items, cfg.learner.gamma,
-                                       cfg.learner.lam)
+        prep = await asyncio.to_thread(prepare_batch, policy, items, L.gamma, L.lam,
+                                       global_adv, L.credit, L.fusion_max_weight)
         report.replayed_outputs += 1
+        fields = {}
         if prep.digest != update.advantage_digest:
+            fields["advantage_digest"] = {"recorded": update.advantage_digest,
+                                          "replayed": prep.digest}
+        if update.fusion_weights and update.fusion_weights != prep.fusion_weights:
+            fields["fusion_weights"] = {"recorded": update.fusion_weights,
+                                        "replayed": prep.fusion_weights}
+        if fields:
             report.changed.append({"event_id": update.event_id, "version": update.version,
-                                   "fields": {"advantage_digest": {
-                                       "recorded": update.advantage_digest,
-                                       "replayed": prep.digest}}})
+                                   "fields": fields})
     return report

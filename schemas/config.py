@@ -85,6 +85,10 @@ class SamplerConfig(Strict):
     """Steps are published in batches at this interval (one bus transaction each)."""
     max_episodes: int = 0
     """Stop after this many episodes (0: until stopped)."""
+    group_size: int = 1
+    """Consecutive episodes that share one task (same seed, same task_id): a GRPO group.
+    The learner's global outcome advantage compares a trajectory with its group, so it
+    needs >= 2; 1 gives every trajectory its own task (no global advantage)."""
 
 
 class SegmenterConfig(Strict):
@@ -141,6 +145,32 @@ class LearnerConfig(Strict):
     """Stop training after this many updates (0: no limit)."""
     checkpoints: str = ""
     """Checkpoint store URL (default: <run_dir>/checkpoints)."""
+    credit: Literal["fusion", "gae", "outcome"] = "fusion"
+    """Credit assignment (see gyre_async.rl.fusion). fusion: segment GAE fused per segment
+    with the trajectory's group-relative outcome advantage once its outcome is known.
+    gae: segment GAE alone. outcome: the group outcome advantage alone (GRPO; steps of
+    trajectories whose outcome is unknown get 0, so pair it with sync mode)."""
+    fusion_max_weight: float = 0.8
+    """Largest weight the global outcome advantage can take in a segment (w_max < 1 keeps
+    some per-step credit assignment in every segment)."""
+    value_clip: float = 0.5
+    """PPO value clip: the critic moves at most this far from the values the advantages
+    were computed with, per update (0: plain squared error)."""
+    value_prior: bool = True
+    """Conservative critic start: before the first update the value head's bias is set to
+    mean step reward / (1 - gamma) of the first batch and its weights near zero."""
+    value_refit_every: int = 5
+    """Every N updates, extra value-only passes on steps whose Monte-Carlo return is
+    complete in the batch (their trajectory ended in it); 0 turns the refit off."""
+    value_refit_epochs: int = 1
+    """Passes of that supervised refit."""
+    divergence_max_advantage: float = 50.0
+    """Critic divergence: a raw advantage beyond this (or non-finite) resets the critic
+    and skips the batch's update (0: never)."""
+    divergence_max_value_loss: float = 25.0
+    """Critic divergence: a value loss beyond this (or non-finite) resets the critic (0: never)."""
+    divergence_lr_shrink: float = 0.5
+    """On a critic reset the learning rate is multiplied by this (the smaller step)."""
 
 
 class EvaluatorConfig(Strict):

@@ -213,10 +213,12 @@ class PolicyVersion(Event, tag="policy-version", frozen=True, kw_only=True):
     metrics: dict[str, float] = {}
     trained_segments: list[str] = []  # segment ids in the batch that made this version
     advantage_digest: str = ""  # fingerprint of that batch's advantages (replay audit)
+    fusion_weights: list[float] = []  # weight of the global outcome advantage per trained segment
 
     def __post_init__(self) -> None:
         _non_negative("version", self.version)
         _finite("metrics", self.learning_rate, *self.metrics.values())
+        _finite("fusion_weights", *self.fusion_weights)
 
 
 class SegmentDropped(Event, tag="segment-dropped", frozen=True, kw_only=True):
@@ -225,6 +227,20 @@ class SegmentDropped(Event, tag="segment-dropped", frozen=True, kw_only=True):
     segment_id: str
     reason: str
     staleness: int
+
+
+class CriticReset(Event, tag="critic-reset", frozen=True, kw_only=True):
+    """The learner's divergence detector reset the critic and shrank the learning rate."""
+
+    version: int  # the policy version whose update detected it
+    reason: Literal["advantage", "value-loss"]
+    max_abs_advantage: float
+    value_loss: float
+    learning_rate: float  # after shrinking
+    skipped_update: bool = False
+
+    def __post_init__(self) -> None:
+        _non_negative("version", self.version)
 
 
 class EvalResult(Event, tag="eval-result", frozen=True, kw_only=True):

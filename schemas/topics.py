@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Union
 
 from .events import (
+    CriticReset,
     DeadLetter,
     EnvError,
     EvalResult,
@@ -35,7 +36,7 @@ TOPIC_UNIONS: dict[str, object] = {
     SCORED: Union[Scored, RewardFailed],
     POLICY_VERSION: PolicyVersion,
     EVAL: EvalResult,
-    TELEMETRY: Union[Heartbeat, SegmentDropped],
+    TELEMETRY: Union[Heartbeat, SegmentDropped, CriticReset],
     DEAD_LETTER: DeadLetter,
     PROBE_IN: Probe,
     PROBE_OUT: Probe,

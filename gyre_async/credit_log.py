@@ -1,0 +1,56 @@
+"""The learner's outcome book, rebuilt from the event log (restart and replay audit).
+
+Which trajectory outcomes the learner knew at each update is a function of the log: every
+``scored`` event is recorded on arrival, and an outcome becomes known in the update whose
+``trained_segments`` hold the trajectory's final segment (see ``gyre_async.rl.fusion``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from schemas import decode
+from schemas.events import PolicyVersion, Scored
+from schemas.topics import POLICY_VERSION, SCORED
+
+from .bus import Bus
+from .bus.reading import iter_topics
+from .rl.fusion import OutcomeBook
+
+
+def batch_keys(segments: list[Scored]) -> list[tuple[str, str, bool]]:
+    """What :meth:`OutcomeBook.global_advantages` needs of each segment of a batch."""
+    return [(s.trajectory_id, s.task_id, s.trajectory_done) for s in segments]
+
+
+async def read_credit_log(bus: Bus) -> tuple[dict[str, Scored], list[PolicyVersion]]:
+    """Every scored segment (log order) and every update the learner published (in order)."""
+    known = {t.name for t in await bus.topics()}
+    scored: dict[str, Scored] = {}
+    updates: list[PolicyVersion] = []
+    async for record in iter_topics(bus, [t for t in (SCORED, POLICY_VERSION) if t in known]):
+        event = decode(record.topic, record.value, 1 << 40)
+        if isinstance(event, Scored):
+            scored[event.segment_id] = event
+        elif isinstance(event, PolicyVersion) and event.reason == "update":
+            updates.append(event)
+    return scored, updates
+
+
+def replay_outcome_book(book: OutcomeBook, scored: dict[str, Scored],
+                        updates: list[PolicyVersion]) -> Iterator[tuple[PolicyVersion, list[float]]]:
+    """Feed ``book`` the log; yield each update with the global advantages it used."""
+    for event in scored.values():
+        book.record(event.trajectory_id, event.segment_id, event.total)
+    for update in updates:
+        batch = [scored[sid] for sid in update.trained_segments if sid in scored]
+        yield update, book.global_advantages(batch_keys(batch))
+
+
+async def restore_outcome_book(bus: Bus, group_size: int) -> OutcomeBook:
+    """The book as the learner left it after its last published update."""
+    book = OutcomeBook(group_size)
+    scored, updates = await read_credit_log(bus)
+    for _ in replay_outcome_book(book, scored, updates):
+        pass
+    return book

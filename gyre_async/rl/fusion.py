@@ -1,0 +1,160 @@
+"""Credit assignment across a long trajectory: local segment GAE fused with the global outcome.
+
+Two signals reach a segment:
+
+* **local**: GAE inside the segment from its per-step rewards (milestones, process
+  rewards), the value bootstrapped at the segment boundary (:func:`segment_gae`). Known
+  as soon as the segment is scored; as good as the critic.
+* **global**: the trajectory's outcome — its undiscounted arbitrated return — normalised
+  within its group of trajectories on the same task (GRPO, :func:`group_outcome_advantage`).
+  Unbiased, critic-free, but known only when the trajectory ends and constant over it.
+
+Fusion, per segment ``i`` of a batch (``t`` runs over its real steps)::
+
+    s       = sqrt(mean_{all real steps of the batch} A_local^2)      scale of the local signal
+    L[i,t]  = A_local[i,t] / (s + eps)                                 local, in unit RMS
+    g_i     = global advantage of i's trajectory (NaN while its outcome is unknown)
+    m_i     = mean_t L[i,t]                                            the local verdict on i
+    w_i     = w_max * |g_i| / (|g_i| + |m_i| + eps)                    0 when g_i is unknown
+    A[i,t]  = (1 - w_i) * L[i,t] + w_i * g_i
+
+Why this shape: ``g`` is in units of the group's outcome spread, ``A_local`` in reward
+units; ``L`` puts both on a unit scale before they are compared or mixed. The outcome can
+only judge the segment as a whole (it is constant over the segment), so it is weighed
+against the local signal's verdict on the whole segment, ``m_i``: where the outcome clearly
+separates this trajectory from its group and the critic has no strong opinion on the
+segment, the outcome leads (``w -> w_max``); where the group's outcomes are all equal
+(``g = 0``, nothing to learn from the comparison) the local process signal decides alone
+(``w = 0``). The within-segment ranking of steps always comes from ``L`` (scaled by
+``1 - w >= 1 - w_max``).
+
+Timing (the learner trains on segments as they arrive): a segment trained before its
+trajectory ended gets ``w = 0`` (local only); the global part reaches the segments that are
+still unused when the outcome becomes known, i.e. those in the batch that holds the
+trajectory's final segment. Which outcomes are "known" at an update is a function of the
+event log (the final segments in this and earlier updates' ``trained_segments``), so
+``gyre replay learner`` re-derives the same groups with :class:`OutcomeBook`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from .advantages import fuse_advantages, fusion_weight, group_outcome_advantage
+
+CreditMode = Literal["fusion", "gae", "outcome"]
+
+
+def unit_rms(local: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """``local / (sqrt(mean over masked entries of local^2) + eps)``; padded entries 0."""
+    fm = mask.to(local.dtype)
+    ms = (local * local * fm).sum() / fm.sum().clamp(min=1.0)
+    return local * fm / (torch.sqrt(ms) + eps)
+
+
+def fuse_segments(
+    local: torch.Tensor,
+    mask: torch.Tensor,
+    global_adv: torch.Tensor,
+    mode: CreditMode = "fusion",
+    w_max: float = 0.8,
+    eps: float = 1e-8,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-step advantages [S, T] and per-segment fusion weights [S] (see module docstring).
+
+    ``local`` [S, T] raw segment GAE; ``mask`` [S, T]; ``global_adv`` [S], NaN where the
+    trajectory's outcome is not known. ``mode="gae"`` returns ``local`` unchanged with
+    ``w = 0``; ``mode="outcome"`` returns ``g`` on every real step (0 where unknown) with
+    ``w = 1`` where known.
+    """
+    fm = mask.to(local.dtype)
+    g = global_adv.to(local.dtype)
+    known = ~torch.isnan(g)
+    if mode == "gae":
+        return local * fm, torch.zeros_like(g)
+    if mode == "outcome":
+        g0 = torch.where(known, g, torch.zeros_like(g))
+        return g0.unsqueeze(1) * fm, known.to(local.dtype)
+    if mode != "fusion":
+        raise ValueError(f"credit mode must be fusion, gae or outcome, got {mode!r}")
+    scaled = unit_rms(local, mask, eps)
+    w = fusion_weight(scaled, g, mask, w_max=w_max, eps=eps)
+    return fuse_advantages(scaled, g, w, mask), w
+
+
+def slow_fuse_segments(
+    local: Sequence[Sequence[float]],
+    mask: Sequence[Sequence[float]],
+    global_adv: Sequence[float],
+    mode: CreditMode = "fusion",
+    w_max: float = 0.8,
+    eps: float = 1e-8,
+) -> tuple[list[list[float]], list[float]]:
+    """Reference for :func:`fuse_segments`, written out step by step."""
+    real = [(i, t) for i in range(len(local)) for t in range(len(local[i])) if mask[i][t]]
+    scale = math.sqrt(sum(float(local[i][t]) ** 2 for i, t in real) / max(len(real), 1))
+    out, weights = [], []
+    for i, row in enumerate(local):
+        g = float(global_adv[i])
+        known = g == g
+        steps = [t for t in range(len(row)) if mask[i][t]]
+        if mode == "gae":
+            w, values = 0.0, {t: float(row[t]) for t in steps}
+        elif mode == "outcome":
+            w, values = (1.0 if known else 0.0), {t: (g if known else 0.0) for t in steps}
+        else:
+            unit = {t: float(row[t]) / (scale + eps) for t in steps}
+            m = sum(unit.values()) / len(steps) if steps else 0.0
+            w = w_max * abs(g) / (abs(g) + abs(m) + eps) if known else 0.0
+            w = min(max(w, 0.0), w_max)
+            values = {t: (1.0 - w) * unit[t] + w * (g if known else 0.0) for t in steps}
+        out.append([values.get(t, 0.0) for t in range(len(row))])
+        weights.append(w)
+    return out, weights
+
+
+@dataclass
+class OutcomeBook:
+    """Trajectory outcomes and their GRPO groups, as the learner has seen them.
+
+    ``record`` every scored segment on arrival (trained or dropped: the outcome is the
+    trajectory's whole return). ``global_advantages`` at each update: the trajectories whose
+    final segment is in the batch become *known* in their group (task id), then every
+    segment of a known trajectory gets its group-relative advantage over the group's known
+    members; others get NaN. Idempotent per segment id, so redelivered events change nothing.
+    A group is forgotten once ``group_size`` of its members are known (no member can follow).
+    """
+
+    group_size: int = 1
+    totals: dict[str, dict[str, float]] = field(default_factory=dict)  # traj -> seg -> total
+    groups: dict[str, dict[str, float]] = field(default_factory=dict)  # task -> traj -> outcome
+
+    def record(self, trajectory_id: str, segment_id: str, total: float) -> None:
+        self.totals.setdefault(trajectory_id, {})[segment_id] = float(total)
+
+    def forget(self, trajectory_id: str) -> None:
+        """Drop a trajectory whose outcome will never be trained (its final segment dropped)."""
+        self.totals.pop(trajectory_id, None)
+
+    def global_advantages(self, segments: Sequence[tuple[str, str, bool]]) -> list[float]:
+        """``segments``: (trajectory_id, task_id, trajectory_done) per batch segment, in order."""
+        for traj, task, done in segments:
+            if done and traj in self.totals:
+                self.groups.setdefault(task, {})[traj] = sum(self.totals.pop(traj).values())
+        advantage: dict[str, float] = {}
+        for task in {task for _, task, _ in segments}:
+            members = self.groups.get(task, {})
+            if not members:
+                continue
+            ids = list(members)
+            adv = group_outcome_advantage(torch.tensor([members[t] for t in ids],
+                                                       dtype=torch.float64), [task] * len(ids))
+            advantage.update(zip(ids, adv.tolist()))
+            if len(members) >= self.group_size:
+                del self.groups[task]
+        return [advantage.get(traj, math.nan) for traj, _, _ in segments]

@@ -1,0 +1,197 @@
+"""Critic stability: prior, complete returns, and the divergence detector on a reward spike.
+
+The spike test drives the real learner actor through the embedded bus: real segments in a
+real segment store, ``scored`` events in, ``policy-version`` and ``critic-reset`` out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import time
+
+import pytest
+import torch
+
+from actors.learner import Learner
+from actors.segmenter import ClosedSegment, segment_arrays
+from gyre_async.actor import ActorRunner
+from gyre_async.bus import open_bus
+from gyre_async.bus.reading import read_topics
+from gyre_async.policy.base import SamplingParams
+from gyre_async.policy.factory import build_policy
+from gyre_async.rl.critic import DivergenceDetector, complete_returns, value_prior
+from gyre_async.storage.segments import SegmentStore
+from schemas import decode, encode, event_id
+from schemas.config import Config, LearnerConfig, PolicySection, RunSection
+from schemas.events import CriticReset, PolicyVersion, Scored, TrajectoryStep
+from schemas.topics import ALL_TOPICS, POLICY_VERSION, SCORED, TELEMETRY
+
+
+def test_value_prior_and_complete_returns_hand_worked():
+    # Mean step reward (0 + 0.1 + 0 + 0.3) / 4 = 0.1, gamma 0.9 -> prior 0.1 / 0.1 = 1.0.
+    assert value_prior([0.0, 0.1, 0.0, 0.3], 0.9) == pytest.approx(1.0)
+    assert value_prior([1.0], 1.0) == 0.0
+    # Trajectory "a": segments [0,2) rewards [1, 0] and [2,4) rewards [0, 2], terminal.
+    #   step 3: 2; step 2: 0 + 0.5*2 = 1; step 1: 0 + 0.5*1 = 0.5; step 0: 1 + 0.5*0.5 = 1.25
+    # Trajectory "b": its terminal segment [4,5) is here but [2,4) is missing -> only the
+    #   terminal segment's steps are complete; segment [0,2) is not.
+    # Trajectory "c": not terminal in the batch -> nothing is complete.
+    out = complete_returns(
+        rewards=[[0.0, 2.0], [1.0, 0.0], [3.0], [1.0, 1.0], [5.0]],
+        trajectory_ids=["a", "a", "b", "b", "c"],
+        step_starts=[2, 0, 4, 0, 0],
+        terminal=[True, False, True, False, False],
+        gamma=0.5,
+    )
+    assert out == [[1.0, 2.0], [1.25, 0.5], [3.0], [None, None], [None]]
+
+
+def test_detector_thresholds():
+    d = DivergenceDetector(max_advantage=10.0, max_value_loss=5.0)
+    assert d.check_advantages(torch.tensor([1.0, -9.9])) is None
+    assert d.check_advantages(torch.tensor([1.0, -10.5])).reason == "advantage"
+    assert d.check_advantages(torch.tensor([math.nan])).reason == "advantage"
+    assert d.check_value_loss(4.0, 1.0) is None
+    assert d.check_value_loss(math.inf, 1.0).reason == "value-loss"
+    assert DivergenceDetector(0.0, 0.0).check_advantages(torch.tensor([1e9])) is None
+
+
+# -- the spike, through the real learner actor -----------------------------------------------
+
+SEG_STEPS = 12
+TRAJECTORIES = 4  # per batch, 2 segments each -> 96 steps per batch
+
+
+def config(tmp_path) -> Config:
+    return Config(
+        run=RunSection(run_id="spike", run_dir=str(tmp_path), seed=3),
+        policy=PolicySection(d_model=32, n_layers=1, n_heads=2, context_tokens=48,
+                             history_turns=0),
+        learner=LearnerConfig(batch_steps=TRAJECTORIES * 2 * SEG_STEPS, minibatch_steps=48,
+                              epochs=2, learning_rate=3e-3, value_refit_every=2,
+                              max_versions=0),
+    )
+
+
+def make_batch(cfg: Config, policy, store: SegmentStore, batch: int,
+               spike: float = 0.0) -> list[Scored]:
+    """Scored segments of TRAJECTORIES two-segment trajectories, acted by ``policy``.
+
+    Rewards: 0.1 at one step of each segment; the final step pays 1 in every other
+    trajectory. ``spike`` is added to one step of the first trajectory (a poisoned reward).
+    """
+    rng = random.Random(batch)
+    tok = policy.tokenizer
+    out = []
+    for k in range(TRAJECTORIES):
+        tid = f"b{batch}-t{k}"
+        contexts = [tok.encode(f"order 1 of 4 : axe x {rng.randint(1, 2)} . need wood "
+                               f"{rng.randint(0, 3)} ore {rng.randint(0, 2)} . ready no .")
+                    for _ in range(2 * SEG_STEPS + 1)]
+        acts = policy.act_batch(contexts[:-1], SamplingParams(max_action_tokens=4))
+        for s in range(2):
+            span = range(s * SEG_STEPS, (s + 1) * SEG_STEPS)
+            done = s == 1
+            steps = tuple(TrajectoryStep(
+                event_id=f"{tid}-{i}", run_id="spike", producer="test", trajectory_id=tid,
+                task_id=f"task-{batch}", step_index=i, policy_version=max(batch - 1, 0),
+                context_tokens=contexts[i], action_tokens=acts[i].tokens,
+                action_logprobs=acts[i].logprobs, next_context_tokens=contexts[i + 1],
+                done=done and i == span[-1]) for i in span)
+            seg_id = f"{tid}-s{s}"
+            ref = store.write(seg_id, segment_arrays(ClosedSegment(
+                tid, steps, "trajectory-end" if done else "max-length", terminal=done)))
+            rewards = [0.0] * SEG_STEPS
+            rewards[rng.randrange(SEG_STEPS)] += 0.1
+            if done and k % 2 == 0:
+                rewards[-1] += 1.0
+            if spike and k == 0 and s == 0:
+                rewards[3] += spike
+            out.append(Scored(
+                event_id=event_id("scored", seg_id), run_id="spike", producer="arbiter",
+                key=tid, segment_id=seg_id, trajectory_id=tid, task_id=f"task-{batch}",
+                address=ref.address, content_hash=ref.content_hash, step_start=span[0],
+                step_end=span[-1] + 1, min_policy_version=max(batch - 1, 0),
+                trajectory_done=done, success=done and k % 2 == 0, components={},
+                step_rewards=rewards, total=sum(rewards), decided_by="outcome"))
+    return out
+
+
+async def drive_learner(cfg: Config, spikes: dict[int, float], batches: int):
+    url = f"sqlite:///{cfg.run.run_dir}/events.db"
+    store = SegmentStore(f"{cfg.run.run_dir}/segments.zarr")
+    behaviour = build_policy(cfg)  # acts the synthetic segments (any fixed policy will do)
+    async with open_bus(url) as bus:
+        await bus.create_topics(ALL_TOPICS, 1)
+        runner = ActorRunner(Learner(cfg), bus, run_id="spike", name="learner", partitions=1)
+        task = asyncio.create_task(runner.run())
+        try:
+            for b in range(1, batches + 1):
+                scored = make_batch(cfg, behaviour, store, b, spikes.get(b, 0.0))
+                await bus.publish(SCORED, [(s.key.encode(), encode(s)) for s in scored])
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline and not task.done():
+                    versions = [decode(POLICY_VERSION, r.value)
+                                for r in await read_topics(bus, [POLICY_VERSION])]
+                    if len(versions) > b:  # v0 (init) + one update per batch
+                        break
+                    await asyncio.sleep(0.05)
+                assert len(versions) == b + 1, "the learner did not train on the batch"
+        finally:
+            runner.stop()
+            await task
+        resets = [e for r in await read_topics(bus, [TELEMETRY])
+                  if isinstance(e := decode(TELEMETRY, r.value), CriticReset)]
+    return versions, resets
+
+
+def test_reward_spike_resets_the_critic_and_training_recovers(tmp_path):
+    cfg = config(tmp_path)
+    spike_batch, batches = 3, 8
+    versions, resets = asyncio.run(drive_learner(cfg, {spike_batch: 1e4}, batches))
+    by_version = {v.version: v for v in versions}
+    # Exactly one reset, announced, for the spiked batch, which was not trained on.
+    assert [(r.version, r.reason, r.skipped_update) for r in resets] == [
+        (spike_batch, "advantage", True)]
+    assert resets[0].max_abs_advantage > cfg.learner.divergence_max_advantage
+    spiked = by_version[spike_batch]
+    assert spiked.metrics["critic/skipped_update"] == 1.0
+    # The step shrank: every later version carries the halved learning rate.
+    lr = cfg.learner.learning_rate
+    assert all(by_version[v].learning_rate == lr for v in range(spike_batch))
+    assert resets[0].learning_rate == pytest.approx(lr * cfg.learner.divergence_lr_shrink)
+    assert all(by_version[v].learning_rate == pytest.approx(lr * 0.5)
+               for v in range(spike_batch, batches + 1))
+    # Recovery: the later updates train normally (no second alarm, finite and small losses,
+    # raw advantages back in the normal range) and the critic refits.
+    for v in range(spike_batch + 1, batches + 1):
+        m = by_version[v].metrics
+        assert "critic/skipped_update" not in m
+        assert math.isfinite(m["losses/policy_loss"]) and m["losses/value_loss"] < 1.0
+        assert m["credit/max_abs_local_advantage"] < 5.0
+    assert any("losses/value_refit" in by_version[v].metrics
+               for v in range(spike_batch + 1, batches + 1))
+
+
+def test_exploding_value_loss_resets_the_value_head(tmp_path):
+    """The other alarm: a value head driven far off (here by hand) trips the value loss."""
+    from actors.learner import Buffered, LearnerCore
+    from gyre_async.rl.critic import value_head
+
+    cfg = config(tmp_path)
+    store = SegmentStore(f"{tmp_path}/segments.zarr")
+    policy = build_policy(cfg)
+    core = LearnerCore(cfg, policy)
+    scored = make_batch(cfg, policy, store, 1)
+    core.critic.initialised = True  # keep the poisoned head below as the starting critic
+    with torch.no_grad():
+        value_head(policy).bias.fill_(40.0)  # V = 40 where returns are <= 1.2
+    core.buffer = [Buffered(s, a, (0, 0)) for s, a in
+                   zip(scored, store.read_many([s.address for s in scored]))]
+    stats = core.train()
+    assert stats["losses/value_loss"] > cfg.learner.divergence_max_value_loss
+    assert [r.reason for r in core.critic.resets] == ["value-loss"]
+    assert float(value_head(policy).bias) == pytest.approx(core.critic.prior)
+    assert core.optimizer.param_groups[0]["lr"] == pytest.approx(1.5e-3)

@@ -15,6 +15,7 @@ import asyncio
 
 from gyre_async.actor import Actor, Emit
 from gyre_async.envs import make_env
+from gyre_async.envs.macros import with_macros
 from gyre_async.policy.base import SamplingParams
 from gyre_async.policy.context import ContextBuilder
 from gyre_async.policy.factory import build_policy, build_tokenizer
@@ -34,7 +35,7 @@ async def evaluate(cfg: Config, holder: PolicyHolder, builder: ContextBuilder,
     batcher.active = episodes
 
     async def one(i: int):
-        env = make_env(cfg.task.env, **cfg.task.env_config)
+        env = with_macros(make_env(cfg.task.env, **cfg.task.env_config), cfg.macros)
         seed = cfg.task.eval_seed_start + i
         try:
             return await run_episode(env, f"{cfg.task.env}:{seed}", seed, batcher.act, builder,

@@ -28,6 +28,7 @@ import torch
 from gyre_async import timing
 from gyre_async.actor import Actor, Emit
 from gyre_async.credit_log import restore_outcome_book
+from gyre_async.experience.elite import offer_trained, open_elite_pool, sample_for
 from gyre_async.runlog import current_policy_version
 from gyre_async.policy.factory import build_policy, build_tokenizer, load_weights, save_weights
 from gyre_async.rl.advantages import segment_gae
@@ -85,6 +86,7 @@ class LearnerCore:
             [(b.scored.trajectory_id, b.scored.task_id, b.scored.trajectory_done) for b in items])
         prep = prepare_batch(self.policy, items, L.gamma, L.lam, global_adv, L.credit,
                              L.fusion_max_weight)
+        self.last_batch = (items, prep.values)  # the elite pool reads the critic's values
         contexts, actions, behav, n = prep.contexts, prep.actions, prep.behav, prep.n
         self.critic.start(self.policy, prep.rewards)
         if self.critic.screen(self.policy, self.optimizer, prep.local_advantages):
@@ -282,6 +284,7 @@ class Learner(Actor):
         self.train_seconds = 0.0
         self.last_metrics: dict[str, float] = {}
         self._fusion_weights: list[float] = []
+        self.elite = open_elite_pool(cfg)  # None unless elite.capacity > 0
 
     def segment_store(self) -> SegmentStore:
         """Opened on first use: in one-process-per-role runs the segmenter creates it."""
@@ -335,8 +338,14 @@ class Learner(Actor):
                                          [b.scored.address for b in self.core.buffer])
         for item, arr in zip(self.core.buffer, arrays):
             item.arrays = arr
+        if self.elite is not None:  # elite segments bypass the staleness gate (by design)
+            picks = await asyncio.to_thread(sample_for, self.elite, self.core.buffer, self.version + 1)
+            self.core.buffer += [Buffered(s, a, self.core.buffer[0].where) for s, a in picks]
         stats = await asyncio.to_thread(self._train)
-        self._fusion_weights = stats.pop("fusion_weights", [])
+        self._fusion_weights = stats.pop("fusion_weights", [])[:len(ids)]  # fresh ones (elite last)
+        if self.elite is not None:
+            await asyncio.to_thread(offer_trained, self.elite, *self.core.last_batch)
+            stats.update(self.elite.stats())
         self.train_seconds += time.monotonic() - started
         stats["charts/max_staleness_seen"] = float(staleness)
         digest = stats.pop("advantage_digest")

@@ -24,6 +24,7 @@ from gyre_async.actor import Actor, Emit
 from gyre_async.bus.reading import iter_topics
 from gyre_async.runlog import current_policy_version
 from gyre_async.envs import make_env
+from gyre_async.envs.macros import step_fields, with_macros
 from gyre_async.policy.base import SamplingParams
 from gyre_async.policy.factory import build_policy, build_tokenizer
 from gyre_async.policy.context import ContextBuilder
@@ -154,7 +155,7 @@ class Sampler(Actor):
 
     async def _slot(self, slot: int) -> None:
         cfg = self.cfg
-        env = make_env(cfg.task.env, **cfg.task.env_config)
+        env = with_macros(make_env(cfg.task.env, **cfg.task.env_config), cfg.macros)
         rounds = 0
         try:
             while not self.runner.stopping.is_set():
@@ -190,7 +191,7 @@ class Sampler(Actor):
                 milestones=[Milestone(name=m.name, proof=m.proof) for m in r.milestones],
                 state_changed=r.state_changed, tool_latency_s=rec.latency_s, done=r.done,
                 truncated=r.truncated, success=r.success, score=r.score,
-                next_context_tokens=rec.next_context,
+                next_context_tokens=rec.next_context, **step_fields(r),
             )))
 
         self.batcher.active += 1

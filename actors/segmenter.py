@@ -25,6 +25,8 @@ import numpy as np
 from gyre_async import timing
 from gyre_async.actor import Actor, Emit
 from gyre_async.bus.reading import iter_topics
+from gyre_async.envs.macros import env_steps_of
+from gyre_async.experience.retention import Retention, incoming_bytes
 from gyre_async.storage.segments import SegmentStore
 from schemas import decode, event_id
 from schemas.config import Config, SegmenterConfig
@@ -156,6 +158,7 @@ class Segmenter(Actor):
     def __init__(self, config: SegmenterConfig, store_url: str, run_id: str):
         self.core = SegmenterCore(config)
         self.store = SegmentStore(store_url, durable=config.fsync)
+        self.retention = Retention(self.store, config.retain_bytes)
         self.run_id = run_id
         self.segments = 0
         self._closed: list[ClosedSegment] = []
@@ -197,11 +200,13 @@ class Segmenter(Actor):
             return []  # wait for more: their steps stay uncommitted (commit_floor)
         closed, self._closed, self._oldest = self._closed, [], None
         items = [(self._segment_id(seg), segment_arrays(seg)) for seg in closed]
+        await self.retention.follow(self.runner.bus)  # what the learner is done with
         refs = await asyncio.to_thread(self._write, items)
         return [self._announce(seg, sid, ref) for seg, (sid, _), ref in zip(closed, items, refs)]
 
     def _write(self, items):
         with timing.timed("storage"):
+            self.retention.make_room(incoming_bytes(items))
             return self.store.write_many(items)
 
     def _segment_id(self, seg: ClosedSegment) -> str:
@@ -226,6 +231,7 @@ class Segmenter(Actor):
             milestones=milestones, milestone_steps=milestone_steps,
             feedback=[s.feedback for s in seg.steps],
             actions=[s.action_text for s in seg.steps],
+            env_steps=sum(env_steps_of(s) for s in seg.steps),
         ))
 
     def commit_floor(self):
@@ -236,4 +242,9 @@ class Segmenter(Actor):
         return floor
 
     def stats(self):
-        return {"segments": float(self.segments), "open_segments": float(len(self.core.open))}
+        r = self.retention.stats
+        return {"segments": float(self.segments), "open_segments": float(len(self.core.open)),
+                "retention_deleted": float(r.deleted), "retention_over_bound": float(r.over_bound)}
+
+    async def on_stop(self) -> None:
+        await self.retention.close()

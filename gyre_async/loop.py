@@ -52,7 +52,7 @@ class Progress:
     def fold(self, event) -> None:
         match event:
             case SegmentClosed():
-                self.steps += event.step_end - event.step_start
+                self.steps += event.env_steps or (event.step_end - event.step_start)
                 if event.trajectory_done:
                     self.episodes += 1
                     self.successes += int(event.success)

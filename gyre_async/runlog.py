@@ -18,6 +18,7 @@ from schemas.topics import EVAL, POLICY_VERSION, SCORED, SEGMENT_CLOSED, TELEMET
 
 from .bus import Bus
 from .bus.reading import iter_topics
+from .envs.macros import env_steps_of
 
 
 @dataclass
@@ -63,7 +64,7 @@ async def load_runlog(bus: Bus, *, with_steps: bool = True) -> RunLog:
             case Heartbeat():
                 log.heartbeats.append(event)
             case TrajectoryStep():
-                log.steps += 1
+                log.steps += env_steps_of(event)  # primitive env steps (macros expand)
                 log.step_first_ts = min(log.step_first_ts or event.ts, event.ts)
                 log.step_last_ts = max(log.step_last_ts, event.ts)
     log.versions.sort(key=lambda v: (v.ts, v.version))

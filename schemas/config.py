@@ -107,6 +107,10 @@ class SegmenterConfig(Strict):
     fsync: bool = False
     """fsync segment data before announcing it. Off by default, like the embedded bus's
     synchronous=NORMAL: a killed process loses nothing; a power cut may lose the newest."""
+    retain_bytes: int = 0
+    """Retention bound on the segment store's disk use (0: keep every segment). Before each
+    write, segments the learner has consumed (trained on or dropped) are deleted while the
+    store would exceed it; see gyre_async.experience.retention."""
 
 
 class ArbiterConfig(Strict):
@@ -173,6 +177,33 @@ class LearnerConfig(Strict):
     """On a critic reset the learning rate is multiplied by this (the smaller step)."""
 
 
+class MacroSection(Strict):
+    """Macro-actions: named sub-routines the policy calls as one action (gyre_async.envs.macros)."""
+
+    builtin: str = ""
+    """A built-in macro library: "workshop" (gather_<item> per recipe, wait_furnace); "": none."""
+    define: dict[str, list[str] | str] = {}
+    """More macros: name -> list of env actions (a fixed sequence), or "module:function" (a
+    scripted policy called as f(observation, steps_done) -> next env action, None to stop)."""
+    max_primitive_steps: int = 16
+    """Longest expansion of one macro call, in environment steps."""
+
+
+class EliteSection(Strict):
+    """Elite pool: high-impact segments kept aside and mixed into batches (gyre_async.experience)."""
+
+    capacity: int = 0
+    """Segments the pool keeps (0: no pool). Eviction: turning points before successes, oldest
+    first within a kind."""
+    mix_share: float = 0.1
+    """Elite steps added to each batch, as a share of the batch's fresh steps."""
+    jump_threshold: float = 0.25
+    """A segment is a turning point when its critic value changes by at least this much
+    between two consecutive steps."""
+    store: str = ""
+    """Elite store URL (default: <run_dir>/elite.zarr); the learner is its only writer."""
+
+
 class EvaluatorConfig(Strict):
     every_versions: int = 5
     """Evaluate every N policy versions (version 0 always)."""
@@ -207,3 +238,5 @@ class Config(Strict):
     learner: LearnerConfig = msgspec.field(default_factory=LearnerConfig)
     evaluator: EvaluatorConfig = msgspec.field(default_factory=EvaluatorConfig)
     echo: EchoConfig = msgspec.field(default_factory=EchoConfig)
+    macros: MacroSection = msgspec.field(default_factory=MacroSection)
+    elite: EliteSection = msgspec.field(default_factory=EliteSection)

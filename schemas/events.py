@@ -74,6 +74,18 @@ class Milestone(msgspec.Struct, frozen=True, kw_only=True):
     proof: str  # the state fact that proves it, e.g. "inventory.axe=1"
 
 
+class PrimitiveStep(msgspec.Struct, frozen=True, kw_only=True):
+    """One environment step inside a macro-action (kept for audit; PPO credits the macro)."""
+
+    action: str
+    feedback: float = 0.0
+    ok: bool = True  # the environment accepted and performed the action
+
+
+#: Longest macro expansion a trajectory step may record.
+MAX_PRIMITIVES_PER_STEP = 256
+
+
 class TrajectoryStep(Event, tag="trajectory-step", frozen=True, kw_only=True):
     """One agent step: what the policy saw and did, and what the environment answered."""
 
@@ -95,10 +107,15 @@ class TrajectoryStep(Event, tag="trajectory-step", frozen=True, kw_only=True):
     success: bool = False
     score: float = 0.0
     next_context_tokens: list[int] | None = None
+    macro: str = ""  # the action was this macro-action (see gyre_async.envs.macros)
+    primitives: list[PrimitiveStep] = []  # the env steps the macro expanded into (if macro)
 
     def __post_init__(self) -> None:
         _non_negative("step_index", self.step_index)
         _non_negative("policy_version", self.policy_version)
+        if len(self.primitives) > MAX_PRIMITIVES_PER_STEP:
+            raise ValueError(f"more than {MAX_PRIMITIVES_PER_STEP} primitive steps in one step")
+        _finite("primitives.feedback", *(p.feedback for p in self.primitives))
         if len(self.action_tokens) != len(self.action_logprobs):
             raise ValueError("action_tokens and action_logprobs must have the same length")
         if len(self.context_tokens) + len(self.action_tokens) > MAX_TOKENS_PER_STEP:
@@ -150,6 +167,7 @@ class SegmentClosed(Event, tag="segment-closed", frozen=True, kw_only=True):
     milestone_steps: list[int] = []  # step index (absolute) where each milestone was reached
     feedback: list[float] = []  # per-step raw environment feedback
     actions: list[str] = []  # per-step action text (for guards; tokens live in the store)
+    env_steps: int = 0  # primitive environment steps (macros expand); 0: one per step
 
     def __post_init__(self) -> None:
         _non_negative("step_start", self.step_start)

@@ -208,7 +208,7 @@ class WorkshopEnv(Env):
         before = self._completed()
         s.step += 1
         canonical = self._parse(action)
-        feedback, changed = 0.0, False
+        feedback, changed, ok = 0.0, False, False
         if canonical is None:
             s.last = "unknown action"
         else:
@@ -231,7 +231,7 @@ class WorkshopEnv(Env):
             observation=self.observation(), feedback=feedback, done=done, truncated=truncated,
             success=done, score=completed / n, milestones=milestones,
             state_changed=changed or bool(milestones),
-            info={"step": s.step, "action": canonical, "valid": canonical is not None,
+            info={"step": s.step, "action": canonical, "valid": canonical is not None, "ok": ok,
                   "order": min(s.current, n - 1)})
 
     def _parse(self, action: str) -> str | None:

@@ -15,16 +15,20 @@ from .torch_policy import ModelConfig, TorchPolicy
 
 
 def build_tokenizer(cfg: Config) -> BaseTokenizer:
-    return tokenizer_for_env(cfg.task.env)
+    from gyre_async.envs.macros import macro_words
+
+    return tokenizer_for_env(cfg.task.env, macro_words(cfg.macros))
 
 
 def action_token_ids(cfg: Config, tokenizer: BaseTokenizer) -> tuple[int, ...]:
     """Token ids the policy may generate (empty: any token)."""
     if not cfg.policy.constrain_actions or cfg.task.env != "workshop":
         return ()
+    from gyre_async.envs.macros import macro_words
     from gyre_async.envs.workshop import ACTION_WORDS
 
-    return tuple(sorted({i for w in ACTION_WORDS for i in tokenizer.encode(w)}))
+    words = (*ACTION_WORDS, *macro_words(cfg.macros))  # macro names are actions too
+    return tuple(sorted({i for w in words for i in tokenizer.encode(w)}))
 
 
 def build_policy(cfg: Config, tokenizer: BaseTokenizer | None = None) -> TorchPolicy:

@@ -126,15 +126,16 @@ def tokenizer_from_json(text: str) -> Tokenizer:
     raise ValueError(f"unknown tokenizer kind {spec.get('kind')!r}")
 
 
-def tokenizer_for_env(env_name: str) -> Tokenizer:
+def tokenizer_for_env(env_name: str, extra_words: Sequence[str] = ()) -> Tokenizer:
     """The tokenizer a policy for ``env_name`` should use.
 
     ``"workshop"``: a :class:`WordTokenizer` over the workshop's ``VOCAB`` (every word of
-    every observation and action, so nothing is ever ``<unk>``). Anything else (``gym:...``,
+    every observation and action, so nothing is ever ``<unk>``), then ``extra_words`` (e.g.
+    macro names; appended, so the workshop's ids do not move). Anything else (``gym:...``,
     unknown text): the :class:`ByteTokenizer`.
     """
     if env_name == "workshop":
         from gyre_async.envs.workshop import VOCAB
 
-        return WordTokenizer(VOCAB)
+        return WordTokenizer((*VOCAB, *extra_words))
     return ByteTokenizer()

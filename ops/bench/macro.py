@@ -1,0 +1,131 @@
+"""Macro-actions vs primitive actions: environment steps to reach the quickstart's target.
+
+Two runs of the quickstart config (same task, policy, seeds and hyper-parameters), one with
+the workshop's built-in macros enabled (``[macros] builtin = "workshop"``: ``gather_<item>``
+fixed sequences and the scripted ``wait_furnace``, see gyre_async/envs/workshop_macros.py),
+one without. Each stops once validation reaches ``loop.target_success`` (or at its wall
+budget). Steps are **primitive environment steps** in both arms (a macro call counts every
+env step it expanded into).
+
+steps_to_target: the environment steps sampled by every policy version older than the first
+version whose validation success reached the target (what it cost to produce that policy).
+null when the arm did not reach the target within its budget.
+
+    nice -n 10 python ops/bench/macro.py            # the quickstart task (~20-30 min)
+    nice -n 10 python ops/bench/macro.py --quick    # 3 orders per episode, lower budget
+
+Last line: {"bench": "macro", "steps_to_target": {"macro": ..., "primitive": ...},
+            "target_success": ..., "reached": {...}, "versions_to_target": {...}, ...}
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import msgspec
+
+from gyre_async.bus import open_bus
+from gyre_async.bus.reading import iter_topics
+from gyre_async.config import bus_url, load_config
+from gyre_async.envs.macros import env_steps_of
+from gyre_async.loop import run_loop
+from schemas import decode
+from schemas.events import EvalResult, TrajectoryStep
+from schemas.topics import EVAL, TRAJECTORY_STEP
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def configure(cfg, arm: str, run_dir: str, quick: bool, seconds: float | None):
+    r = msgspec.structs.replace
+    env_config = dict(cfg.task.env_config)
+    loop = cfg.loop
+    if quick:
+        env_config["n_orders"] = 3
+        loop = r(loop, max_wall_s=240.0)
+    if seconds:
+        loop = r(loop, max_wall_s=seconds)
+    macros = r(cfg.macros, builtin="workshop" if arm == "macro" else "")
+    return r(cfg, run=r(cfg.run, run_dir=run_dir, run_id=f"bench-macro-{arm}"), loop=loop,
+             task=r(cfg.task, env_config=env_config), macros=macros)
+
+
+async def measure(cfg) -> dict:
+    """Steps to target from the run's event log (see the module docstring)."""
+    evals: list[EvalResult] = []
+    steps: list[tuple[int, int]] = []  # (policy version, primitive env steps)
+    async with open_bus(bus_url(cfg)) as bus:
+        async for record in iter_topics(bus, [EVAL, TRAJECTORY_STEP]):
+            event = decode(record.topic, record.value, 1 << 40)
+            match event:
+                case EvalResult():
+                    evals.append(event)
+                case TrajectoryStep():
+                    steps.append((event.policy_version, env_steps_of(event)))
+    evals.sort(key=lambda e: e.policy_version)
+    hit = next((e for e in evals if e.success_rate >= cfg.loop.target_success), None)
+    decisions = len(steps)
+    total = sum(n for _, n in steps)
+    out = {"reached": hit is not None, "env_steps_total": total, "decisions_total": decisions,
+           "evals": [(e.policy_version, round(e.success_rate, 3)) for e in evals]}
+    if hit is not None:
+        out["version"] = hit.policy_version
+        out["success"] = hit.success_rate
+        out["steps_to_target"] = sum(n for v, n in steps if v < hit.policy_version)
+        out["decisions_to_target"] = sum(1 for v, _ in steps if v < hit.policy_version)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=str(ROOT / "ops/configs/quickstart.toml"))
+    p.add_argument("--quick", action="store_true",
+                   help="3 orders per episode and 240 s per arm (a smoke run)")
+    p.add_argument("--seconds", type=float, default=None, help="wall budget per arm")
+    p.add_argument("--keep", default="", help="keep the run directories under this path")
+    p.add_argument("--arms", default="macro,primitive", help="which arms to run (comma list)")
+    args = p.parse_args(argv)
+    base = load_config(args.config)
+    if not base.loop.target_success:
+        raise SystemExit(f"{args.config} sets no loop.target_success to measure against")
+    results = {}
+    for arm in args.arms.split(","):
+        with tempfile.TemporaryDirectory(prefix=f"gyre-macro-{arm}-") as tmp:
+            run_dir = str(Path(args.keep) / arm) if args.keep else tmp
+            cfg = configure(base, arm, run_dir, args.quick, args.seconds)
+            started = time.monotonic()
+            asyncio.run(run_loop(cfg, progress=False))
+            res = asyncio.run(measure(cfg))
+            res["wall_s"] = round(time.monotonic() - started, 1)
+        results[arm] = res
+        print(f"{arm:>9}: reached={res['reached']} at v{res.get('version')} "
+              f"steps_to_target={res.get('steps_to_target')} "
+              f"(decisions {res.get('decisions_to_target')}), {res['env_steps_total']} env "
+              f"steps in {res['wall_s']} s; evals {res['evals']}", file=sys.stderr)
+    m, q = results.get("macro", {}), results.get("primitive", {})
+    ratio = (round(m["steps_to_target"] / q["steps_to_target"], 3)
+             if m.get("reached") and q.get("reached") else None)
+    print(json.dumps({
+        "bench": "macro",
+        "steps_to_target": {"macro": m.get("steps_to_target"),
+                            "primitive": q.get("steps_to_target")},
+        "target_success": base.loop.target_success,
+        "reached": {"macro": m.get("reached"), "primitive": q.get("reached")},
+        "versions_to_target": {"macro": m.get("version"), "primitive": q.get("version")},
+        "decisions_to_target": {"macro": m.get("decisions_to_target"),
+                                "primitive": q.get("decisions_to_target")},
+        "macro_over_primitive": ratio,
+        "quick": args.quick,
+    }))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

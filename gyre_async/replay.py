@@ -156,7 +156,7 @@ async def replay_learner(recorded: Bus, cfg: Config) -> ReplayReport:
     from .credit_log import read_credit_log, replay_outcome_book
     from .policy.factory import build_policy, load_weights
     from .rl.fusion import OutcomeBook
-    from .storage.segments import SegmentStore
+    from .storage.segments import SegmentNotFound, SegmentStore
     from schemas.events import PolicyVersion
     from schemas.topics import POLICY_VERSION
 
@@ -184,7 +184,11 @@ async def replay_learner(recorded: Bus, cfg: Config) -> ReplayReport:
             continue
         await asyncio.to_thread(load_weights, policy, parent.checkpoint, parent.checkpoint_hash)
         items = [Buffered(scored[sid], {}, (0, 0)) for sid in update.trained_segments]
-        arrays = await asyncio.to_thread(store.read_many, [i.scored.address for i in items])
+        try:
+            arrays = await asyncio.to_thread(store.read_many, [i.scored.address for i in items])
+        except SegmentNotFound:  # deleted by retention (segmenter.retain_bytes)
+            report.missing.append(update.event_id)
+            continue
         for item, arr in zip(items, arrays):
             item.arrays = arr
         prep = await asyncio.to_thread(prepare_batch, policy, items, L.gamma, L.lam,

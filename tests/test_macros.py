@@ -19,6 +19,7 @@ from gyre_async.envs.workshop_macros import gather_sequence, workshop_macros
 from gyre_async.experience.elite import ElitePool
 from gyre_async.loop import run_loop
 from gyre_async.policy.factory import action_token_ids, build_tokenizer
+from gyre_async.replay import replay_learner
 from gyre_async.storage.segments import SegmentStore
 from schemas import decode
 from schemas.config import Config, MacroSection
@@ -157,3 +158,9 @@ def test_run_with_macros_elite_and_retention(tmp_path):
     consumed = {sid for v in versions[:-1] for sid in v.trained_segments} | \
         {e.segment_id for e in events if isinstance(e, SegmentDropped)}
     assert announced - consumed <= live  # nothing unconsumed (unscored, buffered) is gone
+
+    async def audit():  # the learner audit names updates whose segments retention deleted
+        async with open_bus(f"sqlite:///{tmp_path}/events.db") as bus:
+            return await replay_learner(bus, cfg)
+
+    assert asyncio.run(audit()).missing

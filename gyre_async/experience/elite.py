@@ -34,6 +34,11 @@ are trained like the rest of the batch:
   were sampled, so the decoupled PPO loss (gyre_async.rl.ppo) applies unchanged: ratio to
   the proximal (current) policy, times the truncated weight
   ``min(pi_prox / pi_behaviour, learner.is_cap)``.
+
+Audit: ``policy-version.trained_segments`` lists the fresh segments only (the elite ones
+are not consumed from the bus), while the recorded advantage digest covers the whole batch,
+so ``gyre replay learner`` reports a digest difference for updates that mixed elite
+segments: audit credit assignment with the pool off.
 """
 
 from __future__ import annotations

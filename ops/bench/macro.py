@@ -3,16 +3,17 @@
 Two runs of the quickstart config (same task, policy, seeds and hyper-parameters), one with
 the workshop's built-in macros enabled (``[macros] builtin = "workshop"``: ``gather_<item>``
 fixed sequences and the scripted ``wait_furnace``, see gyre_async/envs/workshop_macros.py),
-one without. Each stops once validation reaches ``loop.target_success`` (or at its wall
-budget). Steps are **primitive environment steps** in both arms (a macro call counts every
-env step it expanded into).
+one without. Each stops once validation reaches ``loop.target_success``, or after
+``--max-env-steps`` (a budget in steps, so a busy machine changes the runtime, not the
+result; ``--seconds`` is a wall-clock safety stop). Steps are **primitive environment
+steps** in both arms (a macro call counts every env step it expanded into).
 
 steps_to_target: the environment steps sampled by every policy version older than the first
 version whose validation success reached the target (what it cost to produce that policy).
 null when the arm did not reach the target within its budget.
 
-    nice -n 10 python ops/bench/macro.py            # the quickstart task (~20-30 min)
-    nice -n 10 python ops/bench/macro.py --quick    # 3 orders per episode, lower budget
+    nice -n 10 python ops/bench/macro.py            # the quickstart task (~10-30 min)
+    nice -n 10 python ops/bench/macro.py --quick    # 3 orders per episode, 20k steps each
 
 Last line: {"bench": "macro", "steps_to_target": {"macro": ..., "primitive": ...},
             "target_success": ..., "reached": {...}, "versions_to_target": {...}, ...}
@@ -42,15 +43,12 @@ from schemas.topics import EVAL, TRAJECTORY_STEP
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def configure(cfg, arm: str, run_dir: str, quick: bool, seconds: float | None):
+def configure(cfg, arm: str, run_dir: str, quick: bool, seconds: float, max_env_steps: int):
     r = msgspec.structs.replace
     env_config = dict(cfg.task.env_config)
-    loop = cfg.loop
+    loop = r(cfg.loop, max_wall_s=seconds, max_env_steps=max_env_steps)
     if quick:
         env_config["n_orders"] = 3
-        loop = r(loop, max_wall_s=240.0)
-    if seconds:
-        loop = r(loop, max_wall_s=seconds)
     macros = r(cfg.macros, builtin="workshop" if arm == "macro" else "")
     return r(cfg, run=r(cfg.run, run_dir=run_dir, run_id=f"bench-macro-{arm}"), loop=loop,
              task=r(cfg.task, env_config=env_config), macros=macros)
@@ -87,8 +85,10 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=str(ROOT / "ops/configs/quickstart.toml"))
     p.add_argument("--quick", action="store_true",
-                   help="3 orders per episode and 240 s per arm (a smoke run)")
-    p.add_argument("--seconds", type=float, default=None, help="wall budget per arm")
+                   help="3 orders per episode, 20k env steps per arm (a smoke run)")
+    p.add_argument("--max-env-steps", type=int, default=0,
+                   help="env-step budget per arm (default 120000; --quick: 20000)")
+    p.add_argument("--seconds", type=float, default=1500.0, help="wall safety stop per arm")
     p.add_argument("--keep", default="", help="keep the run directories under this path")
     p.add_argument("--arms", default="macro,primitive", help="which arms to run (comma list)")
     args = p.parse_args(argv)
@@ -99,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     for arm in args.arms.split(","):
         with tempfile.TemporaryDirectory(prefix=f"gyre-macro-{arm}-") as tmp:
             run_dir = str(Path(args.keep) / arm) if args.keep else tmp
-            cfg = configure(base, arm, run_dir, args.quick, args.seconds)
+            budget = args.max_env_steps or (20_000 if args.quick else 120_000)
+            cfg = configure(base, arm, run_dir, args.quick, args.seconds, budget)
             started = time.monotonic()
             asyncio.run(run_loop(cfg, progress=False))
             res = asyncio.run(measure(cfg))

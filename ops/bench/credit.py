@@ -30,6 +30,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -63,7 +64,7 @@ def configure(base, variant: str, seed: int, run_dir: str, args):
         run=r(base.run, run_id=f"credit-{variant}-{seed}", run_dir=run_dir, seed=seed,
               mode="sync" if sync else "async"),
         loop=r(base.loop, max_env_steps=args.budget, max_wall_s=args.max_wall,
-               target_success=args.target),
+               target_success=max(args.stop_at, args.target)),
         task=r(base.task, env_config=task_cfg, train_seed_start=seed * 10_000_000),
         sampler=r(base.sampler, group_size=args.group_size),
         segmenter=segmenter,
@@ -141,14 +142,18 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=str(ROOT / "ops/configs/quickstart.toml"))
     p.add_argument("--out", default=str(ROOT / "runs/bench-credit"))
-    p.add_argument("--budget", type=int, default=40_000, help="env steps per run")
+    p.add_argument("--budget", type=int, default=30_000, help="env steps per run")
     p.add_argument("--seeds", type=int, default=3)
-    p.add_argument("--orders", type=int, default=4, help="workshop orders per episode")
-    p.add_argument("--max-steps", type=int, default=120, help="workshop episode cap")
+    p.add_argument("--orders", type=int, default=2, help="workshop orders per episode")
+    p.add_argument("--max-steps", type=int, default=60, help="workshop episode cap")
     p.add_argument("--group-size", type=int, default=8, help="episodes per task (GRPO group)")
-    p.add_argument("--target", type=float, default=0.8, help="validation success to reach")
+    p.add_argument("--target", type=float, default=0.5, help="validation success to reach")
     p.add_argument("--max-wall", type=float, default=900.0, help="safety stop per run (s)")
     p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--stop-at", type=float, default=0.9,
+                   help="a run stops early once validation reaches this")
+    p.add_argument("--reuse", action="store_true",
+                   help="keep runs already finished in --out (a cut-short bench resumes)")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: 1 seed, 3k steps, 2 orders (checks the pipeline only)")
     args = p.parse_args(argv)
@@ -166,20 +171,25 @@ def main(argv: list[str] | None = None) -> int:
     for seed in range(args.seeds):  # seeds outermost: a cut-short bench still compares all
         for variant in variants:
             run_dir = os.path.join(args.out, f"{variant}-s{seed}")
-            if os.path.exists(run_dir):
-                import shutil
-
-                shutil.rmtree(run_dir)
-            cfg = configure(base, variant, seed, run_dir, args)
             started = time.monotonic()
-            summary = asyncio.run(run_loop(cfg, progress=False))
+            if args.reuse and os.path.exists(os.path.join(run_dir, "summary.json")):
+                with open(os.path.join(run_dir, "summary.json")) as f:
+                    summary = json.load(f)
+            else:
+                if os.path.exists(run_dir):
+                    shutil.rmtree(run_dir)
+                cfg = configure(base, variant, seed, run_dir, args)
+                summary = asyncio.run(run_loop(cfg, progress=False))
             points = asyncio.run(curve(run_dir))
             curves[variant].append(points)
             finals[variant].append(points[-1][1] if points else 0.0)
-            print(f"{variant:>18} seed {seed}: {summary['env_steps']} steps, "
-                  f"{summary['policy_versions']} versions, {time.monotonic() - started:.0f} s, "
-                  f"first >= target at {first_at(points, args.target)}, curve "
-                  f"{[(s, round(ok, 2)) for s, ok, _ in points]}", file=sys.stderr, flush=True)
+            line = (f"{variant:>18} seed {seed}: {summary['env_steps']} steps, "
+                    f"{summary['policy_versions']} versions, {time.monotonic() - started:.0f} s, "
+                    f"first >= target at {first_at(points, args.target)}, curve "
+                    f"{[(s, round(ok, 2)) for s, ok, _ in points]}")
+            print(line, file=sys.stderr, flush=True)
+            with open(os.path.join(args.out, "runs.txt"), "a") as f:
+                f.write(line + "\n")
     png = os.path.join(args.out, "credit_curves.png")
     plot(curves, args.target, png, args.budget)
     per_seed = {v: [first_at(c, args.target) for c in curves[v]] for v in variants}

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gyre_async.rl.advantages import segment_gae
+from gyre_async.rl.advantages import segment_gae, slow_segment_gae
 from gyre_async.rl.fusion import OutcomeBook, fuse_segments, slow_fuse_segments, unit_rms
 
 FLOATS = st.floats(min_value=-10.0, max_value=10.0, allow_nan=False, width=32)
@@ -43,11 +43,45 @@ def test_fused_advantages_match_slow_reference(case):
                            torch.tensor(mask), torch.tensor(boot, dtype=f64),
                            torch.tensor(done), 0.97, 0.9)
     fused, w = fuse_segments(local, torch.tensor(mask), torch.tensor(g, dtype=f64), mode, w_max)
-    slow, slow_w = slow_fuse_segments(local.tolist(), mask, g, mode, w_max)
+    slow_local, _ = slow_segment_gae(rewards, values, mask, boot, done, 0.97, 0.9)
+    slow, slow_w = slow_fuse_segments(slow_local, mask, g, mode, w_max)
     assert torch.allclose(fused, torch.tensor(slow, dtype=f64), atol=1e-6)
     assert torch.allclose(w, torch.tensor(slow_w, dtype=f64), atol=1e-9)
     assert bool((w >= 0).all()) and bool((w <= (1.0 if mode == "outcome" else w_max)).all())
     assert bool((fused[torch.tensor(mask) == 0] == 0).all())  # padding stays 0
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.data())
+def test_segmented_gae_is_whole_trajectory_gae_cut_at_each_boundary(data):
+    """Random segmentations of one trajectory, each boundary bootstrapped with V there.
+
+    The deltas are the same as in whole-trajectory GAE, so a segment's advantage is the
+    whole-trajectory one with the tail beyond the boundary b removed:
+    A_seg[t] = A_whole[t] - (gamma * lam)^(b - t) * A_whole[b].
+    """
+    n = data.draw(st.integers(1, 14))
+    rewards = data.draw(st.lists(FLOATS, min_size=n, max_size=n))
+    values = data.draw(st.lists(FLOATS, min_size=n + 1, max_size=n + 1))  # V after the end too
+    done = data.draw(st.booleans())
+    gamma, lam = data.draw(st.floats(0.0, 1.0)), data.draw(st.floats(0.0, 1.0))
+    cuts = sorted(data.draw(st.sets(st.integers(1, n - 1), max_size=n - 1)) if n > 1 else [])
+    bounds = [0, *cuts, n]
+    whole, _ = slow_segment_gae([rewards], [values[:n]], [[1.0] * n], [values[n]], [done],
+                                gamma, lam)
+    width = max(b - a for a, b in zip(bounds, bounds[1:]))
+    rows = [(a, b) for a, b in zip(bounds, bounds[1:])]
+    pad = [0.0] * width
+    seg_adv, _ = segment_gae(
+        torch.tensor([(rewards[a:b] + pad)[:width] for a, b in rows], dtype=torch.float64),
+        torch.tensor([(values[a:b] + pad)[:width] for a, b in rows], dtype=torch.float64),
+        torch.tensor([[1.0 if t < b - a else 0.0 for t in range(width)] for a, b in rows]),
+        torch.tensor([values[b] for _, b in rows], dtype=torch.float64),
+        torch.tensor([done and b == n for _, b in rows]), gamma, lam)
+    for k, (a, b) in enumerate(rows):
+        for t in range(a, b):
+            tail = (gamma * lam) ** (b - t) * whole[0][b] if b < n else 0.0
+            assert float(seg_adv[k, t - a]) == pytest.approx(whole[0][t] - tail, abs=1e-6)
 
 
 def test_fusion_hand_worked_extremes():

@@ -5,7 +5,7 @@ emits:    eval (EvalResult)
 
 Validation seeds start at ``task.eval_seed_start`` (never used for training). Versions are
 evaluated every ``evaluator.every_versions`` versions, on the first one, and on the one the
-learner marks final; decoding is greedy unless configured otherwise. Environment latency is
+learner marks final, and on every rollback version; decoding is greedy unless configured otherwise. Environment latency is
 kept as configured, so validation measures the same task the sampler sees.
 """
 
@@ -82,7 +82,8 @@ class Evaluator(Actor):
 
     def wants(self, event: PolicyVersion) -> bool:
         every = max(self.cfg.evaluator.every_versions, 1)
-        return event.version % every == 0 or event.metrics.get("final", 0.0) > 0
+        return (event.version % every == 0 or event.metrics.get("final", 0.0) > 0
+                or event.reason == "rollback")  # a rollback's recovery is always measured
 
     async def handle(self, event, record):
         match event:

@@ -1,6 +1,6 @@
 """Learner: PPO on scored segments as they come, publishing a policy version per update.
 
-consumes: scored (Scored)
+consumes: scored (Scored), keeper (Rollback)
 emits:    policy-version (PolicyVersion), telemetry (SegmentDropped)
 
 A long trajectory does not block training: each scored segment is trainable on arrival,
@@ -13,6 +13,12 @@ pi_prox / pi_behaviour (see ``gyre_async.rl.ppo``), so moderately stale samples 
 Restart: the learner resumes from its latest ``policy-version`` checkpoint; buffered but
 untrained segments are re-delivered because the runtime never commits past them
 (``commit_floor``). The optimizer state restarts (documented limitation).
+
+Rollback: the keeper's ``rollback`` order is followed by ``_on_rollback`` (see
+``actors/keeper.py``): the order's weights and learning rate, a fresh optimizer, the
+buffered segments dropped, and a ``policy-version`` with reason ``rollback`` under the next
+version number (the learner is the only writer of version numbers). Segments sampled before
+that version are dropped as they arrive (reason ``rolled-back``).
 """
 
 from __future__ import annotations
@@ -40,8 +46,8 @@ from gyre_async.storage.checkpoints import CheckpointStore
 from gyre_async.storage.segments import SegmentStore
 from schemas import event_id
 from schemas.config import Config
-from schemas.events import CriticReset, PolicyVersion, Scored, SegmentDropped
-from schemas.topics import POLICY_VERSION, SCORED, TELEMETRY
+from schemas.events import CriticReset, PolicyVersion, Rollback, Scored, SegmentDropped
+from schemas.topics import KEEPER, POLICY_VERSION, SCORED, TELEMETRY
 
 
 @dataclass
@@ -263,7 +269,7 @@ def _slices(n: int, size: int) -> list[list[int]]:
 
 class Learner(Actor):
     role = "learner"
-    consumes = (SCORED,)
+    consumes = (SCORED, KEEPER)
     emits = (POLICY_VERSION, TELEMETRY)
 
     def __init__(self, cfg: Config):
@@ -285,6 +291,8 @@ class Learner(Actor):
         self.last_metrics: dict[str, float] = {}
         self._fusion_weights: list[float] = []
         self.elite = open_elite_pool(cfg)  # None unless elite.capacity > 0
+        self.rollbacks_applied = 0  # keeper orders followed (carried in every version)
+        self.rollback_floor = 0  # segments sampled before this version are dropped
 
     def segment_store(self) -> SegmentStore:
         """Opened on first use: in one-process-per-role runs the segmenter creates it."""
@@ -309,6 +317,7 @@ class Learner(Actor):
             self.core.critic.initialised = True  # the checkpoint's critic, not a new prior
             self.core.outcomes = await restore_outcome_book(self.runner.bus,
                                                             self.cfg.sampler.group_size)
+            self.rollbacks_applied = int(latest.metrics.get("keeper/rollbacks_applied", 0))
         else:
             await self.runner.emit([await self._publish("init", {}, [])])
 
@@ -316,7 +325,26 @@ class Learner(Actor):
         match event:
             case Scored():
                 return await self._on_scored(event, record)
+            case Rollback() if event.sequence > self.rollbacks_applied:
+                return await self._on_rollback(event)
         return []
+
+    async def _on_rollback(self, order: Rollback):
+        """Follow the keeper: its weights (hash verified) and learning rate, a fresh
+        optimizer, and a new version number with reason ``rollback``."""
+        await asyncio.to_thread(load_weights, self.policy, order.checkpoint,
+                                order.checkpoint_hash)
+        dropped = [self._drop(b.scored, "rolled-back") for b in self.core.buffer]
+        self.core.buffer = []
+        self.core.optimizer = torch.optim.Adam(self.policy.parameters())  # moments of the
+        self.learning_rate = order.learning_rate                          # abandoned lineage
+        self.core.set_learning_rate(self.learning_rate)
+        self.done_trajectories.clear()
+        self.rollbacks_applied = order.sequence
+        self.rollback_floor = self.version + 1
+        stats = {"keeper/restored_version": float(order.restore_version),
+                 "keeper/regressed_version": float(order.regressed_version)}
+        return [*dropped, await self._publish("rollback", stats, [])]
 
     async def _on_scored(self, scored: Scored, record):
         L = self.cfg.learner
@@ -325,6 +353,8 @@ class Learner(Actor):
             return [self._drop(scored, "budget-spent")]  # the run is winding down
         if self.gate.is_stale(scored.min_policy_version, self.version):
             return [self._drop(scored, "stale")]
+        if scored.min_policy_version < self.rollback_floor:
+            return [self._drop(scored, "rolled-back")]
         self.core.buffer.append(Buffered(scored, {}, (record.partition, record.offset)))
         if scored.trajectory_done:
             self.done_trajectories.add(scored.trajectory_id)
@@ -341,7 +371,10 @@ class Learner(Actor):
         if self.elite is not None:  # elite segments bypass the staleness gate (by design)
             picks = await asyncio.to_thread(sample_for, self.elite, self.core.buffer, self.version + 1)
             self.core.buffer += [Buffered(s, a, self.core.buffer[0].where) for s, a in picks]
+        spike = L.fault_lr_spike_version and self.version + 1 == L.fault_lr_spike_version
+        self.core.set_learning_rate(self.learning_rate * (L.fault_lr_spike_factor if spike else 1.0))
         stats = await asyncio.to_thread(self._train)
+        self.core.set_learning_rate(self.learning_rate)
         self._fusion_weights = stats.pop("fusion_weights", [])[:len(ids)]  # fresh ones (elite last)
         if self.elite is not None:
             await asyncio.to_thread(offer_trained, self.elite, *self.core.last_batch)
@@ -399,7 +432,8 @@ class Learner(Actor):
             {"run_id": self.cfg.run.run_id, "reason": reason, "parent": str(self.version)})
         final = bool(self.cfg.learner.max_versions and version >= self.cfg.learner.max_versions)
         metrics = {**stats, "charts/dropped_segments": float(self.dropped),
-                   "final": 1.0 if final else 0.0}
+                   "final": 1.0 if final else 0.0,
+                   "keeper/rollbacks_applied": float(self.rollbacks_applied)}
         event = PolicyVersion(
             event_id=event_id("policy-version", self.cfg.run.run_id, version, reason),
             run_id=self.cfg.run.run_id, producer=self.runner.name, key="policy",

@@ -25,11 +25,11 @@ from gyre_async.bus.reading import iter_topics
 from gyre_async.runlog import current_policy_version
 from gyre_async.envs import make_env
 from gyre_async.envs.macros import step_fields, with_macros
-from gyre_async.policy.base import SamplingParams
 from gyre_async.policy.factory import build_policy, build_tokenizer
 from gyre_async.policy.context import ContextBuilder
+from gyre_async.rl.exploration import exploration_stats, make_holder, sampling_params_at
 from gyre_async.rl.staleness import StalenessGate
-from gyre_async.rollout import ActionBatcher, PolicyHolder, StepRecord, run_episode
+from gyre_async.rollout import ActionBatcher, StepRecord, run_episode
 from schemas import decode, event_id
 from schemas.config import Config
 from schemas.events import EnvError, Milestone, PolicyVersion, TrajectoryStep
@@ -44,7 +44,8 @@ class Sampler(Actor):
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.tokenizer = build_tokenizer(cfg)
-        self.holder = PolicyHolder(build_policy(cfg, self.tokenizer))
+        self.holder = make_holder(cfg, build_policy(cfg, self.tokenizer))  # perturbed if configured
+        self.batcher: ActionBatcher | None = None
         self.builder = ContextBuilder(self.tokenizer, cfg.policy.context_tokens,
                                       cfg.policy.history_turns)
         self.gate = StalenessGate(0 if cfg.run.mode == "sync" else cfg.loop.max_staleness,
@@ -114,6 +115,8 @@ class Sampler(Actor):
             return
         await asyncio.to_thread(self.holder.load, event.checkpoint, event.checkpoint_hash,
                                 event.version)
+        if self.batcher is not None:  # the exploration schedule follows training progress
+            self.batcher.params = sampling_params_at(self.cfg, event.version)
         async with self._version_seen:
             self.learner_version = max(self.learner_version, event.version) \
                 if event.reason != "rollback" else event.version
@@ -138,8 +141,7 @@ class Sampler(Actor):
     # -- producing ----------------------------------------------------------------------------
     async def produce(self) -> None:
         s = self.cfg.sampler
-        params = SamplingParams(temperature=s.temperature, top_p=s.top_p,
-                                max_action_tokens=self.cfg.policy.max_action_tokens)
+        params = sampling_params_at(self.cfg, max(self.holder.version, 0))
         self.batcher = ActionBatcher(self.holder, params, wait_s=s.batch_wait_s,
                                      seed=self.cfg.run.seed)
         flusher = asyncio.create_task(self._flush_loop())
@@ -225,4 +227,5 @@ class Sampler(Actor):
     def stats(self):
         return {"episodes": float(self.episodes), "steps": float(self.steps_emitted),
                 "policy_version": float(self.holder.version),
-                "env_errors": float(self.env_errors), "paused_s": self.paused_s}
+                "env_errors": float(self.env_errors), "paused_s": self.paused_s,
+                **exploration_stats(self.holder, self.batcher and self.batcher.params)}

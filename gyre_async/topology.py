@@ -14,7 +14,9 @@ Edges (topic: producer -> consumers; what pushes back):
   unscored work queues on the bus, durably, instead of in memory.
 - policy-version: learner (and keeper) -> sampler, evaluator. The sampler pauses when it is
   more than max_staleness versions behind; the learner drops segments beyond that bound.
-- eval: evaluator -> monitor/keeper. telemetry: every actor -> monitor (heartbeats with lag).
+- eval: evaluator -> monitor/keeper.
+- keeper: keeper -> learner (rollback orders; the learner publishes the rollback version).
+- telemetry: every actor -> monitor (heartbeats with lag).
 - dead-letter: every actor -> operators (input it could not use, with the reason).
 """
 
@@ -31,6 +33,7 @@ ROLES: dict[str, str] = {
     "arbiter": "actors.arbiter:Arbiter",
     "learner": "actors.learner:Learner",
     "evaluator": "actors.evaluator:Evaluator",
+    "keeper": "actors.keeper:Keeper",
     "echo": "actors.echo:EchoActor",
 }
 
@@ -38,7 +41,7 @@ ROLES: dict[str, str] = {
 CORE_ROLES = ("sampler", "segmenter", "arbiter", "learner")
 
 #: What ``gyre run`` starts in one process.
-RUN_ROLES = (*CORE_ROLES, "evaluator")
+RUN_ROLES = (*CORE_ROLES, "evaluator", "keeper")
 
 
 def actor_class(role: str):

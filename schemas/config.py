@@ -70,6 +70,37 @@ class PolicySection(Strict):
     """Restrict generated tokens to words that occur in actions (and eos)."""
 
 
+class ExplorationConfig(Strict):
+    """How much the sampler explores, as training progresses (see gyre_async.rl.exploration).
+
+    Progress is the policy version acting: ``min(version / anneal_versions, 1)``. Early
+    versions sample wide (``sampler.temperature``/``sampler.top_p``), later ones narrow
+    (the ``*_end`` values). The behaviour log-probs recorded on every step are those of the
+    distribution actually sampled from (annealed temperature, top-p and perturbed weights).
+    """
+
+    temperature_end: float = 0.0
+    """Temperature reached after ``anneal_versions`` (0: keep ``sampler.temperature``)."""
+    top_p_end: float = 0.0
+    """Top-p reached after ``anneal_versions`` (0: keep ``sampler.top_p``)."""
+    anneal_versions: int = 0
+    """Policy versions over which temperature/top-p move from start to end (0: no schedule)."""
+    shape: Literal["linear", "cosine"] = "linear"
+    """Interpolation between start and end: straight line, or half a cosine (slow-fast-slow)."""
+    param_noise_target_kl: float = 0.0
+    """Parameter-space noise: act with perturbed weights whose next-token distribution is
+    this KL (nats) from the unperturbed policy's, on recent contexts (0: off)."""
+    param_noise_initial_std: float = 0.01
+    """Starting std of the Gaussian added to every weight; adapted towards the target KL."""
+    param_noise_adapt: float = 1.05
+    """Adaptation factor alpha (Plappert et al. 2018): std *= alpha while the measured KL is
+    below target, std /= alpha while above."""
+    param_noise_adapt_every: int = 8
+    """Adapt (and redraw the perturbation) every this many batched policy calls."""
+    param_noise_probe_contexts: int = 64
+    """How many recent contexts the KL is measured on."""
+
+
 class SamplerConfig(Strict):
     num_envs: int = 32
     """Concurrent environment instances (a slow env blocks only its own trajectory)."""
@@ -89,6 +120,8 @@ class SamplerConfig(Strict):
     """Consecutive episodes that share one task (same seed, same task_id): a GRPO group.
     The learner's global outcome advantage compares a trajectory with its group, so it
     needs >= 2; 1 gives every trajectory its own task (no global advantage)."""
+    exploration: ExplorationConfig = msgspec.field(default_factory=ExplorationConfig)
+    """Temperature/top-p schedule and parameter-space noise (``[sampler.exploration]``)."""
 
 
 class SegmenterConfig(Strict):
@@ -175,6 +208,11 @@ class LearnerConfig(Strict):
     """Critic divergence: a value loss beyond this (or non-finite) resets the critic (0: never)."""
     divergence_lr_shrink: float = 0.5
     """On a critic reset the learning rate is multiplied by this (the smaller step)."""
+    fault_lr_spike_version: int = 0
+    """Fault injection (tests, drills): the update that produces this version uses the
+    learning rate times ``fault_lr_spike_factor`` (0: never). Shows the keeper at work."""
+    fault_lr_spike_factor: float = 1.0
+    """Learning-rate multiplier of the injected fault (see ``fault_lr_spike_version``)."""
 
 
 class MacroSection(Strict):
@@ -213,6 +251,30 @@ class EvaluatorConfig(Strict):
     """Greedy decoding (else sampled at temperature 1)."""
 
 
+class KeeperConfig(Strict):
+    """Three kept checkpoints and automatic rollback (see actors/keeper.py)."""
+
+    store: str = ""
+    """Where the kept checkpoints live (default: <run_dir>/keeper)."""
+    noise_k: float = 3.0
+    """A metric regresses when it is below the best version's by more than noise_k standard
+    errors (two-proportion binomial at the two evaluations' episode counts)."""
+    min_regressed_metrics: int = 2
+    """Roll back only when at least this many validation metrics regress at once
+    (success rate, mean score, each milestone's rate)."""
+    lr_cut: float = 0.5
+    """Each rollback multiplies the learning rate by this factor."""
+    large_update_kl: float = 0.05
+    """An update is large when the mean KL (nats) of next-token distributions on the probe
+    contexts, parent vs new, exceeds this (0: not used)."""
+    large_update_param_change: float = 0.0
+    """... or when ||new - parent|| / ||parent|| over all weights exceeds this (0: not used)."""
+    probe_contexts: int = 64
+    """Size of the fixed probe set (first observations of these validation-range seeds)."""
+    probe_seed_start: int = 2_000_000
+    """Seeds of the probe set (kept apart from training and validation seeds)."""
+
+
 class LoopSection(Strict):
     max_staleness: int = 2
     """How many versions behind the learner a sample may be (the sampler pauses beyond)."""
@@ -237,6 +299,7 @@ class Config(Strict):
     arbiter: ArbiterConfig = msgspec.field(default_factory=ArbiterConfig)
     learner: LearnerConfig = msgspec.field(default_factory=LearnerConfig)
     evaluator: EvaluatorConfig = msgspec.field(default_factory=EvaluatorConfig)
+    keeper: KeeperConfig = msgspec.field(default_factory=KeeperConfig)
     echo: EchoConfig = msgspec.field(default_factory=EchoConfig)
     macros: MacroSection = msgspec.field(default_factory=MacroSection)
     elite: EliteSection = msgspec.field(default_factory=EliteSection)

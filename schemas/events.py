@@ -239,6 +239,70 @@ class PolicyVersion(Event, tag="policy-version", frozen=True, kw_only=True):
         _finite("fusion_weights", *self.fusion_weights)
 
 
+KeptSlot = Literal["stable", "pre-large", "best"]
+
+
+class KeptCheckpoint(Event, tag="kept-checkpoint", frozen=True, kw_only=True):
+    """The keeper copied a version's weights into one of its three slots.
+
+    ``stable``: the latest version whose validation did not regress; ``pre-large``: the
+    version before the last large update; ``best``: the best validation so far. The file is
+    the keeper's own copy (safetensors, metadata in its header), named by its sha256.
+    """
+
+    slot: KeptSlot
+    version: int
+    address: str
+    sha256: str
+    why: str = ""
+    measures: dict[str, float] = {}
+
+    def __post_init__(self) -> None:
+        _non_negative("version", self.version)
+        _finite("measures", *self.measures.values())
+
+
+class Rollback(Event, tag="rollback", frozen=True, kw_only=True):
+    """The keeper's decision: version ``regressed_version`` regressed; restore ``restore_version``.
+
+    The learner (the only writer of version numbers) follows it by publishing a
+    ``policy-version`` with reason ``rollback``: a new number, these weights, ``learning_rate``.
+    ``evidence`` holds, per metric, the best's value, the new value and the z-score.
+    """
+
+    sequence: int
+    regressed_version: int
+    restore_version: int
+    slot: KeptSlot
+    checkpoint: str
+    checkpoint_hash: str
+    learning_rate: float
+    previous_learning_rate: float
+    why: str
+    evidence: dict[str, float] = {}
+
+    def __post_init__(self) -> None:
+        _non_negative("sequence", self.sequence)
+        _finite("learning_rate", self.learning_rate, self.previous_learning_rate,
+                *self.evidence.values())
+        if self.learning_rate <= 0:
+            raise ValueError("learning_rate must be > 0")
+
+
+class CheckpointFault(Event, tag="checkpoint-fault", frozen=True, kw_only=True):
+    """A kept checkpoint failed verification (hash mismatch, missing, unreadable).
+
+    ``fell_back_to`` names the slot used instead ("" when none was usable).
+    """
+
+    slot: str
+    version: int
+    address: str
+    expected_sha256: str
+    error: str
+    fell_back_to: str = ""
+
+
 class SegmentDropped(Event, tag="segment-dropped", frozen=True, kw_only=True):
     """The learner refused a segment (too stale); counted, never silently lost."""
 

@@ -10,9 +10,12 @@ from .events import (
     EnvError,
     EvalResult,
     Heartbeat,
+    CheckpointFault,
+    KeptCheckpoint,
     PolicyVersion,
     Probe,
     RewardFailed,
+    Rollback,
     Scored,
     SegmentClosed,
     SegmentDropped,
@@ -28,6 +31,7 @@ TELEMETRY = "telemetry"
 DEAD_LETTER = "dead-letter"
 PROBE_IN = "probe-in"
 PROBE_OUT = "probe-out"
+KEEPER = "keeper"
 
 #: topic -> the union of event types it carries. Adding a topic here is all a new topic needs.
 TOPIC_UNIONS: dict[str, object] = {
@@ -40,6 +44,7 @@ TOPIC_UNIONS: dict[str, object] = {
     DEAD_LETTER: DeadLetter,
     PROBE_IN: Probe,
     PROBE_OUT: Probe,
+    KEEPER: Union[KeptCheckpoint, Rollback, CheckpointFault],
 }
 
 ALL_TOPICS: tuple[str, ...] = tuple(TOPIC_UNIONS)

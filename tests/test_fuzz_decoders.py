@@ -163,6 +163,8 @@ def _repair(cls: type, kw: dict) -> dict:
                                      for i in range(len(kw.get("milestones", [])))]
     elif name == "Scored":
         kw["step_end"] = kw["step_start"] + len(kw["step_rewards"])
+    elif name == "Rollback":
+        kw["learning_rate"] = abs(kw["learning_rate"]) + 1e-6
     return kw
 
 

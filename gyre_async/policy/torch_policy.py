@@ -274,6 +274,18 @@ class CausalLMPolicy(Policy):
         m = act_mask.to(chosen.dtype)
         return EvalOutput(logprobs=chosen * m, entropy=entropy * m, values=values, mask=m)
 
+    def next_token_logprobs(self, contexts: list[list[int]]) -> torch.Tensor:
+        """Log-probs [B, V] of the first action token after each context (raw policy:
+        temperature 1, action vocabulary applied; disallowed tokens are -inf).
+
+        What the keeper and parameter-space noise measure KL divergences on.
+        """
+        width = self._check(contexts, 0)
+        with self._lock, torch.inference_mode():
+            ids, mask = _left_pad(contexts, width, self.tokenizer.pad_id)
+            hidden, _ = self._forward(ids, mask)
+            return self._logp(self._logits(hidden[:, -1])).float().clone()
+
     def values(self, contexts: list[list[int]]) -> torch.Tensor:
         width = self._check(contexts, 0)
         with self._lock, torch.inference_mode():

@@ -1,0 +1,94 @@
+"""The keeper's judgement, without I/O: which validation is best, and what is a regression.
+
+Why a rule at all: validation runs a few dozen episodes, so two evaluations of the *same*
+weights differ by ±10-30 points of success rate. Rolling back on every dip would undo real
+progress; never rolling back lets one poisoned update wreck the run. The rule below rolls
+back only when the drop is larger than the noise of the two measurements, on several
+metrics at once.
+
+**Regression rule.** Each validation metric is a rate in [0, 1] measured on ``n``
+episodes: the success rate, the mean score (the workshop's score is the share of orders
+done) and each milestone's rate (share of episodes that reached it). For a metric with best
+value ``p_b`` (``n_b`` episodes) and new value ``p_e`` (``n_e`` episodes), with the pooled
+rate ``p = (p_b n_b + p_e n_e) / (n_b + n_e)``, the drop's standard error is the two-
+proportion binomial one::
+
+    se = sqrt(p (1 - p) (1/n_b + 1/n_e)),   z = (p_b - p_e) / se
+
+For the mean score (not a count of successes) the same formula is an upper bound on the
+standard error: a variable in [0, 1] with mean m has variance at most m (1 - m). When
+``p`` is 0 or 1 both measurements agree exactly and nothing regressed (``se`` 0, ``z`` 0).
+A metric *regresses* when ``z > k`` (``keeper.noise_k``, default 2: a drop this large
+between equal policies has probability < 2.3% per metric). The version *regresses* when at
+least ``min_regressed_metrics`` (default 2) metrics regress at once: one metric alone can
+be a fluke or a legitimate trade (say, a milestone skipped by a better route).
+
+**Best version.** Highest success rate; ties go to the higher mean score, then to the
+earlier version (it has stood longer).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from schemas.events import EvalResult
+
+
+def metric_values(result: EvalResult) -> dict[str, float]:
+    """The rates the rule compares: success, score and one per milestone."""
+    values = {"success_rate": result.success_rate, "mean_score": result.mean_score}
+    for name, rate in result.milestone_rates.items():
+        values[f"milestone/{name}"] = rate
+    return values
+
+
+def drop_z(best: float, best_n: int, new: float, new_n: int) -> float:
+    """z-score of the drop ``best - new`` of two rates (pooled two-proportion binomial)."""
+    if best_n <= 0 or new_n <= 0:
+        return 0.0
+    pooled = (best * best_n + new * new_n) / (best_n + new_n)
+    var = pooled * (1.0 - pooled) * (1.0 / best_n + 1.0 / new_n)
+    if var <= 0.0:
+        return 0.0
+    return (best - new) / math.sqrt(var)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Whether a new evaluation regressed against the best one, and why."""
+
+    regressed: bool
+    regressed_metrics: tuple[str, ...]
+    evidence: dict[str, float] = field(default_factory=dict)  # per metric: best, new, z
+    why: str = ""
+
+
+def judge(best: EvalResult, new: EvalResult, noise_k: float, min_metrics: int) -> Verdict:
+    """Apply the regression rule of the module docstring to ``new`` against ``best``."""
+    best_values, new_values = metric_values(best), metric_values(new)
+    evidence: dict[str, float] = {}
+    regressed: list[str] = []
+    for name, b in best_values.items():
+        e = new_values.get(name, 0.0)  # a milestone never reached now has rate 0
+        z = drop_z(b, best.episodes, e, new.episodes)
+        evidence[f"{name}/best"] = b
+        evidence[f"{name}/new"] = e
+        evidence[f"{name}/z"] = z
+        if z > noise_k:
+            regressed.append(name)
+    is_regression = len(regressed) >= max(min_metrics, 1)
+    parts = [f"{m} {best_values[m]:.3f}->{new_values.get(m, 0.0):.3f} "
+             f"(z={evidence[f'{m}/z']:.2f})" for m in regressed]
+    why = (f"v{new.policy_version} regressed against best v{best.policy_version} on "
+           f"{len(regressed)} metrics beyond {noise_k:g} standard errors: " + "; ".join(parts)
+           if is_regression else "")
+    return Verdict(is_regression, tuple(regressed), evidence, why)
+
+
+def is_better(candidate: EvalResult, incumbent: EvalResult | None) -> bool:
+    """Strictly better validation: success rate, then mean score (earlier wins ties)."""
+    if incumbent is None:
+        return True
+    return (candidate.success_rate, candidate.mean_score) > \
+        (incumbent.success_rate, incumbent.mean_score)

@@ -371,10 +371,10 @@ class Learner(Actor):
         if self.elite is not None:  # elite segments bypass the staleness gate (by design)
             picks = await asyncio.to_thread(sample_for, self.elite, self.core.buffer, self.version + 1)
             self.core.buffer += [Buffered(s, a, self.core.buffer[0].where) for s, a in picks]
-        spike = L.fault_lr_spike_version and self.version + 1 == L.fault_lr_spike_version
-        self.core.set_learning_rate(self.learning_rate * (L.fault_lr_spike_factor if spike else 1.0))
+        spike = L.fault_lr_spike_factor if self.version + 1 == L.fault_lr_spike_version else 1.0
+        self.core.set_learning_rate(self.core.optimizer.param_groups[0]["lr"] * spike)  # fault
         stats = await asyncio.to_thread(self._train)
-        self.core.set_learning_rate(self.learning_rate)
+        self.core.set_learning_rate(self.core.optimizer.param_groups[0]["lr"] / spike)  # knob
         self._fusion_weights = stats.pop("fusion_weights", [])[:len(ids)]  # fresh ones (elite last)
         if self.elite is not None:
             await asyncio.to_thread(offer_trained, self.elite, *self.core.last_batch)

@@ -212,7 +212,7 @@ class LearnerConfig(Strict):
     """Fault injection (tests, drills): the update that produces this version uses the
     learning rate times ``fault_lr_spike_factor`` (0: never). Shows the keeper at work."""
     fault_lr_spike_factor: float = 1.0
-    """Learning-rate multiplier of the injected fault (see ``fault_lr_spike_version``)."""
+    """Learning-rate multiplier (> 0) of the injected fault (see ``fault_lr_spike_version``)."""
 
 
 class MacroSection(Strict):

@@ -206,9 +206,18 @@ def test_corrupt_best_checkpoint_falls_back_and_learner_follows(tmp_path):
                 if len(tasks) > 1:
                     learner.stop()
                 await asyncio.gather(*tasks)
-            return out, versions
+            # A restarted keeper rebuilds its state from the topics.
+            again = Keeper(cfg)
+            ActorRunner(again, bus, run_id="tiny", name="keeper", partitions=2)
+            await again.on_start()
+            return out, versions, again.core
 
-    out, versions = asyncio.run(scenario())
+    out, versions, rebuilt = asyncio.run(scenario())
+    assert rebuilt.sequence == 1 and rebuilt.pending is None and rebuilt.floor == 4
+    assert rebuilt.best is not None and rebuilt.best.policy_version == 1
+    assert {s: k.version for s, k in rebuilt.slots.slots.items()} == \
+        {"best": 1, "stable": 2, "pre-large": 1}
+    assert rebuilt.learning_rate == pytest.approx(1e-3 * cfg.keeper.lr_cut)
     faults = [e for e in out if isinstance(e, CheckpointFault)]
     order = next(e for e in out if isinstance(e, Rollback))
     assert [(f.slot, f.version, f.fell_back_to) for f in faults] == [("best", 1, "stable")]

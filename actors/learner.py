@@ -39,6 +39,7 @@ from gyre_async.runlog import current_policy_version
 from gyre_async.policy.factory import build_policy, build_tokenizer, load_weights, save_weights
 from gyre_async.rl.advantages import segment_gae
 from gyre_async.rl.critic import CriticGuard, complete_returns
+from gyre_async.rl.finite import NonFiniteBatch, check_batch_finite, check_loss_finite
 from gyre_async.rl.fusion import OutcomeBook, fuse_segments
 from gyre_async.rl.ppo import broadcast_step_advantages, ppo_policy_loss, value_loss
 from gyre_async.rl.staleness import StalenessGate
@@ -92,6 +93,12 @@ class LearnerCore:
             [(b.scored.trajectory_id, b.scored.task_id, b.scored.trajectory_done) for b in items])
         prep = prepare_batch(self.policy, items, L.gamma, L.lam, global_adv, L.credit,
                              L.fusion_max_weight)
+        ids = [it.scored.segment_id for it in items]
+        check_batch_finite({sid: {"rewards": it.scored.step_rewards,
+                                  "action_logprobs": it.arrays["action_logprobs"]}
+                            for sid, it in zip(ids, items)},
+                           {"values": prep.values, "advantages": prep.advantages,
+                            "returns": prep.returns}, ids)
         self.last_batch = (items, prep.values)  # the elite pool reads the critic's values
         contexts, actions, behav, n = prep.contexts, prep.actions, prep.behav, prep.n
         self.critic.start(self.policy, prep.rewards)
@@ -111,6 +118,7 @@ class LearnerCore:
             for sl in _slices(n, 1024):
                 out = self.policy.evaluate([contexts[i] for i in sl], [actions[i] for i in sl])
                 prox[sl, : out.logprobs.shape[1]] = out.logprobs.float()
+        check_batch_finite({}, {"proximal_logprobs": prox}, ids)
         stats: dict[str, list[float]] = {}
         gen = torch.Generator().manual_seed(n)
         for _ in range(L.epochs):
@@ -126,6 +134,7 @@ class LearnerCore:
                 vl = value_loss(out.values.float(), values[mb], ret[mb], clip=L.value_clip or None)
                 ent = (out.entropy * mask).sum() / mask.sum().clamp(min=1)
                 loss = pl + L.value_coef * vl - L.entropy_coef * ent
+                check_loss_finite(loss, ids)
                 self.optimizer.zero_grad()
                 loss.backward()
                 gn = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), L.max_grad_norm)
@@ -368,13 +377,19 @@ class Learner(Actor):
                                          [b.scored.address for b in self.core.buffer])
         for item, arr in zip(self.core.buffer, arrays):
             item.arrays = arr
+        batch = list(self.core.buffer)  # refused together if non-finite (elite picks aside)
         if self.elite is not None:  # elite segments bypass the staleness gate (by design)
             picks = await asyncio.to_thread(sample_for, self.elite, self.core.buffer, self.version + 1)
             self.core.buffer += [Buffered(s, a, self.core.buffer[0].where) for s, a in picks]
         spike = L.fault_lr_spike_factor if self.version + 1 == L.fault_lr_spike_version else 1.0
         self.core.set_learning_rate(self.core.optimizer.param_groups[0]["lr"] * spike)  # fault
-        stats = await asyncio.to_thread(self._train)
-        self.core.set_learning_rate(self.core.optimizer.param_groups[0]["lr"] / spike)  # knob
+        try:
+            stats = await asyncio.to_thread(self._train)
+        except NonFiniteBatch as exc:  # refused before optimizer.step, visibly, per segment
+            self.done_trajectories.clear()
+            return [self._drop(b.scored, exc.reason) for b in batch]
+        finally:
+            self.core.set_learning_rate(self.core.optimizer.param_groups[0]["lr"] / spike)  # knob
         self._fusion_weights = stats.pop("fusion_weights", [])[:len(ids)]  # fresh ones (elite last)
         if self.elite is not None:
             await asyncio.to_thread(offer_trained, self.elite, *self.core.last_batch)

@@ -10,8 +10,9 @@ lives here, once, for every role:
   already handled in this process are skipped, so redelivery never double-counts;
 - **bad input never stops an actor**: undecodable bytes, unknown schema versions, oversized
   events, failing constraints and non-retriable handler errors go to ``dead-letter`` with
-  the reason and the original bytes; retriable errors are retried with backoff, and if they
-  persist the actor crashes loudly so its supervisor restarts it from the committed offset;
+  the reason and the original bytes; retriable errors are retried with backoff (bus errors,
+  e.g. a restarting broker, for up to ``bus_retry_s``), and if they persist the actor
+  crashes loudly so its supervisor restarts it from the committed offset;
 - **backpressure**: at most ``max_in_flight`` records are fetched per batch, and an actor can
   hold consumption with ``ready()`` (e.g. the learner while it trains);
 - **heartbeats** with lag and counters on ``telemetry``; graceful stop on SIGTERM.
@@ -111,6 +112,8 @@ class ActorRunner:
         from_beginning: bool = True,
         partitions: int = 4,
         stop_grace_s: float = 2.0,
+        bus_retry_s: float = 120.0,
+        bus_retry_cap_s: float = 5.0,
     ):
         self.actor = actor
         self.bus = bus
@@ -125,6 +128,8 @@ class ActorRunner:
         self.from_beginning = from_beginning
         self.partitions = partitions
         self.stop_grace_s = stop_grace_s
+        self.bus_retry_s = bus_retry_s
+        self.bus_retry_cap_s = bus_retry_cap_s
         self.stopping = asyncio.Event()
         self.processed = 0
         self.dead_letters = 0
@@ -143,8 +148,10 @@ class ActorRunner:
         self.stopping.set()
 
     async def emit(self, outputs: Sequence[Emit]) -> None:
-        """Publish outputs now (durable on return); for ``produce`` loops."""
-        await self.bus.publish_and_commit(self._batches(outputs))
+        """Publish outputs now (durable on return); for ``produce`` loops. Retriable bus
+        errors are retried like the consume loop's (see ``_publish_with_retry``)."""
+        batches = self._batches(outputs)
+        await self._retry_bus(lambda: self.bus.publish_and_commit(batches))
 
     async def sleep(self, seconds: float) -> bool:
         """Stop-aware sleep: returns True if the actor is stopping."""
@@ -237,16 +244,28 @@ class ActorRunner:
         return out
 
     async def _publish_with_retry(self, outputs: list[Emit], offsets: dict) -> None:
+        """Publish, then commit; retriable bus errors (a broker restarting, a rebalance) are
+        retried with exponential backoff capped at ``bus_retry_cap_s`` for up to
+        ``bus_retry_s`` seconds in all, then the actor crashes for its supervisor."""
         batches = self._batches(outputs)
-        for attempt in range(self.max_retries + 1):
+        await self._retry_bus(lambda: self.bus.publish_and_commit(batches, self._consumer,
+                                                                  offsets))
+
+    async def _retry_bus(self, call) -> None:
+        deadline = time.monotonic() + self.bus_retry_s
+        attempt = 0
+        while True:
             try:
-                await self.bus.publish_and_commit(batches, self._consumer, offsets)
+                await call()
                 return
             except Exception as exc:
-                if not is_retriable(exc) or attempt == self.max_retries:
+                if not is_retriable(exc) or time.monotonic() >= deadline:
                     raise
-                self.log.warning("bus.retry", attempt=attempt, error=str(exc))
-                await asyncio.sleep(self.retry_base_s * 2**attempt)
+                delay = min(self.bus_retry_cap_s, self.retry_base_s * 2**attempt)
+                self.log.warning("bus.retry", attempt=attempt, retry_in_s=delay,
+                                 error=str(exc))
+                attempt += 1
+                await asyncio.sleep(delay)
 
     async def _process(self, record: Record) -> list[Emit]:
         try:

@@ -5,6 +5,8 @@
   registry :func:`make_env` (``"workshop"``, ``"gym:<id>"``).
 - :mod:`.workshop`: the long-horizon workshop family the quickstart trains on.
 - :mod:`.gym_adapter`: Gymnasium environments with text observations/actions.
+- :mod:`.subprocess_env`: any of them in a child process with memory and CPU-time limits
+  (``"subprocess"``).
 """
 
 from .base import (
@@ -18,6 +20,7 @@ from .base import (
     register_env,
     registered_envs,
 )
+from .subprocess_env import EnvProcessError, SubprocessEnv
 from .workshop import (
     ACTION_WORDS,
     ACTIONS,
@@ -33,7 +36,7 @@ from .workshop import (
 )
 
 __all__ = [
-    "ACTIONS", "ACTION_WORDS", "Env", "EnvFailure", "FARMING_ACTIONS", "ITEMS",
+    "ACTIONS", "ACTION_WORDS", "Env", "EnvFailure", "EnvProcessError", "SubprocessEnv", "FARMING_ACTIONS", "ITEMS",
     "MAX_OBSERVATION_CHARS", "RECIPES", "StepResult", "VOCAB", "WorkshopConfig", "WorkshopEnv",
     "guarded_reset", "guarded_step", "lower_bound_steps", "make_env", "oracle_action",
     "parse_observation", "register_env", "registered_envs",

@@ -34,6 +34,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load as st_load
 
+from ..faultpoints import pause_point
 from .errors import CheckpointCorrupt, CheckpointError
 from .urls import fsync_dir, fsync_paths, normalize_store_url
 
@@ -141,6 +142,7 @@ class CheckpointStore:
                 _write_safetensors(f, flat, meta)
             sha = _sha256_file(tmp)
             fsync_paths([tmp], self._root)
+            pause_point("checkpoint-save")  # temp file durable, not renamed (ops/chaos.py)
             final = self._root / f"v{version:012d}-{sha}.safetensors"
             if final.exists():  # same name, same sha256: the same bytes are already there
                 tmp.unlink()

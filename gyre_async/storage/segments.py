@@ -50,6 +50,7 @@ from zarr.core.sync import sync
 from zarr.errors import ArrayNotFoundError, NodeNotFoundError
 from zarr.storage import FsspecStore, LocalStore
 
+from ..faultpoints import pause_point
 from .errors import SegmentConflict, SegmentCorrupt, SegmentNotFound, SegmentStoreError
 from .index_log import IndexLog, delete_keys
 from .segment_index import (
@@ -157,6 +158,7 @@ class SegmentStore:
             touched = sync(self._write_columns(columns))
             if self.durable and self._root is not None:
                 fsync_paths([self._root / key for key in touched], self._root)
+            pause_point("segment-write")  # rows written, index page not yet (ops/chaos.py)
             self._log.append(IndexPage(self._index.seq + 1, tuple(entries), (),
                                        {path: cursors[path] for path in columns}))
             return refs

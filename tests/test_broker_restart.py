@@ -1,0 +1,113 @@
+"""The Kafka broker restarts mid-run: the actors reconnect and the run keeps its invariants.
+
+noida-db keeps its log and committed offsets on disk across a SIGTERM restart (Tansu is
+memory-only), so it is the broker restarted here: a broker of this test's own (the session
+brokers are shared with other tests), stopped and started again on the same port and data
+directory while the four core roles run as separate processes. Each role must ride out the
+outage in-process (no role may exit), training must go on after the restart, and the event
+log and stores must pass the same invariants as an undisturbed run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from gyre_async.bus import open_bus
+from gyre_async.bus.reading import read_topics
+from gyre_async.invariants import check_run, read_run
+from schemas import decode
+from schemas.events import PolicyVersion
+from schemas.topics import POLICY_VERSION
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "ops" / "configs" / "tiny.toml"
+ROLES = ("learner", "segmenter", "arbiter", "sampler")
+
+
+async def _versions(url: str, run_id: str) -> int:
+    async with open_bus(url) as bus:
+        if POLICY_VERSION not in {t.name for t in await bus.topics()}:
+            return 0
+        events = [decode(POLICY_VERSION, r.value) for r in await read_topics(bus, [POLICY_VERSION])]
+    return len({e.version for e in events if isinstance(e, PolicyVersion) and e.run_id == run_id})
+
+
+def _wait_versions(url: str, run_id: str, n: int, timeout: float, procs, log: Path) -> int:
+    deadline = time.monotonic() + timeout
+    seen = 0
+    while time.monotonic() < deadline:
+        for role, p in zip(ROLES, procs):
+            assert p.poll() is None, f"{role} exited:\n{log.read_text()[-4000:]}"
+        seen = asyncio.run(_versions(url, run_id))
+        if seen >= n:
+            return seen
+        time.sleep(1)
+    raise AssertionError(f"only {seen} of {n} policy versions:\n{log.read_text()[-4000:]}")
+
+
+@pytest.mark.kafka
+def test_noida_restart_mid_run_actors_reconnect_and_invariants_hold(tmp_path, unique):
+    from brokers import free_port, start_broker
+
+    port = free_port()
+    data = tmp_path / "noida"
+    broker = start_broker("noida", port=port, data_dir=str(data))
+    url = broker.url
+    run_id = f"restart-{unique}"
+    run_dir = tmp_path / "run"
+    text = TINY.read_text().replace('run_dir = "runs/tiny"', f'run_dir = "{run_dir}"')
+    text = text.replace('run_id = "tiny"', f'run_id = "{run_id}"')
+    text = text.replace("max_versions = 4", "max_versions = 0")
+    cfg = tmp_path / "tiny.toml"
+    cfg.write_text(text.replace("batch_steps = 256", "batch_steps = 128"))
+    log_path = tmp_path / "actors.log"
+    try:
+        before, after, codes, report = _run_with_restart(broker, port, data, cfg, url,
+                                                         run_id, run_dir, log_path)
+    finally:
+        broker.stop()
+    assert codes == [0, 0, 0, 0], (codes, log_path.read_text()[-4000:])
+    assert after >= before + 2
+    assert report.ok, report.describe()
+    assert report.counts["trained"] > 0
+
+
+def _run_with_restart(broker, port, data, cfg, url, run_id, run_dir, log_path):
+    """Four roles as processes; noida restarted once >= 2 versions exist. Stops ``broker``
+    (and the restarted one) only through the caller's ``finally``: it is swapped in place."""
+    from brokers import start_broker
+
+    log = open(log_path, "w")
+    procs = [subprocess.Popen([sys.executable, "-m", "gyre_async.cli", "actor", role,
+                               "--config", str(cfg), "--bus", url],
+                              cwd=ROOT, stdout=log, stderr=log) for role in ROLES]
+    try:
+        before = _wait_versions(url, run_id, 2, 180, procs, log_path)
+        broker.stop()  # SIGTERM: noida flushes its log and offsets to the data directory
+        time.sleep(3)  # the actors see connection errors meanwhile
+        restarted = start_broker("noida", port=port, data_dir=str(data))
+        broker.pid, broker._popen = restarted.pid, restarted._popen
+        after = _wait_versions(url, run_id, before + 2, 240, procs, log_path)
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+    async def read():
+        async with open_bus(url) as bus:
+            return await read_run(bus, run_id)
+
+    report = check_run(asyncio.run(read()), segment_store=str(run_dir / "segments.zarr"),
+                       checkpoint_dir=str(run_dir / "checkpoints"), max_staleness=2)
+    return before, after, [p.returncode for p in procs], report

@@ -155,6 +155,9 @@ class KeeperCore:
         K = self.cfg.keeper
         verdict = judge(self.best, ev, K.noise_k, K.min_regressed_metrics)
         if not verdict.regressed or v <= self.best.policy_version:
+            stable = self.slots.slots.get("stable")
+            if stable is not None and stable.version > v:
+                return []  # a late evaluation of an older version: "stable" is the latest
             why = f"validation within noise of best v{self.best.policy_version}"
             return self._keep("stable", v, why, numbers)
         return self._rollback(ev, verdict.why, verdict.evidence)

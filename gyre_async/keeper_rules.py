@@ -21,7 +21,10 @@ standard error: a variable in [0, 1] with mean m has variance at most m (1 - m).
 A metric *regresses* when ``z > k`` (``keeper.noise_k``, default 2: a drop this large
 between equal policies has probability < 2.3% per metric). The version *regresses* when at
 least ``min_regressed_metrics`` (default 2) metrics regress at once: one metric alone can
-be a fluke or a legitimate trade (say, a milestone skipped by a better route).
+be a fluke or a legitimate trade (say, a milestone skipped by a better route). The
+metrics are correlated, not independent witnesses: on a one-order workshop task the score
+*is* the success rate, so the two always regress together and the rule reduces to one
+binomial test at ``noise_k``.
 
 **Best version.** Highest success rate; ties go to the higher mean score, then to the
 earlier version (it has stood longer).

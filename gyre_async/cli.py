@@ -36,7 +36,8 @@ def _parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="train: all roles in one process on the embedded bus",
                          description="Run the whole loop (sampler, segmenter, arbiter, "
-                         "learner, evaluator) in one process, with a live progress display. "
+                         "learner, evaluator, keeper) in one process, with a live progress "
+                         "display. "
                          "Writes the event log, segment store, checkpoints, metrics.jsonl, "
                          "a learning-curve PNG and summary.json into the run directory.")
     run.add_argument("config", help="TOML config, e.g. ops/configs/quickstart.toml")

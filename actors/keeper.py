@@ -153,7 +153,8 @@ class KeeperCore:
             return self._keep("best", v, why, numbers) + self._keep("stable", v, why, numbers)
         assert self.best is not None
         K = self.cfg.keeper
-        verdict = judge(self.best, ev, K.noise_k, K.min_regressed_metrics)
+        verdict = judge(self.best, ev, K.noise_k, K.min_regressed_metrics,
+                        K.require_success_regression)
         if not verdict.regressed or v <= self.best.policy_version:
             stable = self.slots.slots.get("stable")
             if stable is not None and stable.version > v:

@@ -71,6 +71,12 @@ def test_rule_collapse_regresses_noise_does_not():
     one = judge(best, evaluation(9, 0.5, order=0.1), 2.0, 2)
     assert one.regressed_metrics == ("milestone/order",) and not one.regressed
     assert is_better(evaluation(5, 0.6), best) and not is_better(evaluation(5, 0.5), best)
+    # Partial progress dipping while success holds (early training narrowing a random
+    # policy): not a regression unless success falls too, or the requirement is off.
+    dip = evaluation(9, 0.5, order=0.2, other=0.1)
+    best_two = evaluation(4, 0.5, order=0.8, other=0.7)
+    assert not judge(best_two, dip, 2.0, 2).regressed
+    assert judge(best_two, dip, 2.0, 2, require_success=False).regressed
 
 
 @settings(max_examples=40, deadline=None, database=None)

@@ -146,6 +146,47 @@ class SegmenterConfig(Strict):
     store would exceed it; see gyre_async.experience.retention."""
 
 
+class RuleSpec(Strict):
+    """One pluggable reward rule or safety rule (see ``gyre_async.rewards``)."""
+
+    name: str
+    """A registered name (``env_feedback``, ``proven_fact``, ``forbidden_text``, ...) or a
+    ``"module:function"`` path to a factory ``f(args) -> rule``."""
+    weight: float = 1.0
+    """Multiplies the rule's per-step rewards (safety rules ignore it)."""
+    args: dict[str, float | int | str | bool] = {}
+    """Keyword arguments handed to the rule's factory."""
+
+
+class GuardConfig(Strict):
+    """The guard level: verdicts that veto what the lower levels would pay."""
+
+    enabled: bool = True
+    """Master switch of every guard (the guards benchmark turns it off to show farming)."""
+    farm_repeat: int = 3
+    """Farming: one action text paid shaping reward without progress this often in a segment."""
+    farm_rate_ratio: float = 3.0
+    """Farming: shaping paid without progress per step exceeds this multiple of the task's
+    milestone rate (milestone_reward * task_milestones_per_step)."""
+    task_milestones_per_step: float = 0.1
+    """How often a competent policy proves a milestone (workshop: about one per 8 steps)."""
+    chargeback: float = 1.0
+    """Vetoed pay is charged back at this multiple, at the steps it was withheld from
+    (0: a plain veto, which leaves farming a free lottery ticket: paid when unnoticed,
+    never worse off when caught)."""
+    safety_rules: list[RuleSpec] = []
+    """Pluggable safety rules; a violation vetoes every positive reward of the segment."""
+
+
+class ProcessRewardConfig(Strict):
+    """The learned process reward model (lowest paid level; off unless a path is set)."""
+
+    path: str = ""
+    """safetensors weights written by ``gyre_async.rewards.prm.train_prm`` ("" = off)."""
+    weight: float = 0.0
+    """Segment's process reward = weight * mean per-step score in (-1, 1)."""
+
+
 class ArbiterConfig(Strict):
     outcome_success: float = 1.0
     """Reward at the last step of a successful trajectory."""
@@ -153,6 +194,12 @@ class ArbiterConfig(Strict):
     """Reward at the last step of a failed or truncated trajectory."""
     milestone_reward: float = 0.1
     """Reward for each milestone proven by environment state (paid once per trajectory)."""
+    guards: GuardConfig = msgspec.field(default_factory=GuardConfig)
+    """Guards: reward farming, unproven milestone claims, pluggable safety rules."""
+    rules: list[RuleSpec] = []
+    """Rule rewards: configurable checks over the segment ("compiled", "tests passed")."""
+    prm: ProcessRewardConfig = msgspec.field(default_factory=ProcessRewardConfig)
+    """The process reward model (off by default)."""
 
 
 class LearnerConfig(Strict):

@@ -201,6 +201,7 @@ class Scored(Event, tag="scored", frozen=True, kw_only=True):
     total: float
     decided_by: str
     paid_milestones: list[str] = []
+    guard_reasons: list[str] = []  # why each guard that fired vetoed (empty: no veto)
 
     def __post_init__(self) -> None:
         if len(self.step_rewards) != self.step_end - self.step_start:
@@ -216,6 +217,8 @@ class RewardFailed(Event, tag="reward-failed", frozen=True, kw_only=True):
     segment_id: str
     component: str
     reason: str
+    trajectory_id: str = ""
+    trajectory_done: bool = False  # the withheld segment was its trajectory's last
 
 
 class PolicyVersion(Event, tag="policy-version", frozen=True, kw_only=True):

@@ -1,0 +1,46 @@
+"""Resolving pluggable reward and safety rules: a registry name or a ``module:function``.
+
+A rule is configured by a :class:`schemas.config.RuleSpec` (``name``, ``weight``, ``args``).
+``name`` is looked up in a registry first; a name with a colon is imported as
+``module:function``. Either way the target is a *factory*: called once with ``args`` as
+keyword arguments, it returns the function the arbiter calls per segment. Building rules
+once at start-up means a typo or a bad argument fails when the arbiter starts, with the
+name, instead of on the first segment.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+
+class RuleConfigError(ValueError):
+    """A configured rule cannot be built (unknown name, bad import path, bad arguments)."""
+
+
+def resolve_factory(name: str, registry: dict[str, Callable[..., Any]], kind: str) -> Callable:
+    if name in registry:
+        return registry[name]
+    if ":" not in name:
+        raise RuleConfigError(
+            f"unknown {kind} {name!r}: use one of {', '.join(sorted(registry))} "
+            "or a 'module:function' path to a factory")
+    module, _, attr = name.partition(":")
+    try:
+        target = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as exc:
+        raise RuleConfigError(f"{kind} {name!r} cannot be imported: {exc}. Check that the "
+                              "module is on PYTHONPATH and defines that function") from None
+    if not callable(target):
+        raise RuleConfigError(f"{kind} {name!r} is not callable")
+    return target
+
+
+def build(name: str, args: dict[str, Any], registry: dict[str, Callable[..., Any]],
+          kind: str) -> Callable:
+    factory = resolve_factory(name, registry, kind)
+    try:
+        return factory(**args)
+    except TypeError as exc:
+        raise RuleConfigError(f"{kind} {name!r}: bad args {args!r}: {exc}") from None

@@ -1,0 +1,211 @@
+"""Reward arbitration: each guard, rule and process-model path, precedence, and failures.
+
+The pure core is tested directly; the reward-failed path also runs through the arbiter
+actor on the real embedded bus.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gyre_async.rewards.arbitration import Arbitration
+from gyre_async.rewards.guards import farming_verdict
+from gyre_async.rewards.plugins import RuleConfigError
+from gyre_async.rewards.prm import LabelledSegment, save_prm, train_prm
+from schemas import encode, event_id
+from schemas.config import ArbiterConfig, GuardConfig, ProcessRewardConfig, RuleSpec
+from schemas.events import Milestone, RewardFailed, Scored, SegmentClosed
+
+FARM = ["polish tools", "sweep floor"]
+WORK = ["chop tree", "cut stone", "mine rock", "smelt ore", "craft"]
+
+
+def seg(actions, *, start=0, feedback=None, milestones=(), steps=(), done=False,
+        success=False, traj="t1", sid=None) -> SegmentClosed:
+    n = len(actions)
+    return SegmentClosed(
+        event_id=event_id("seg", sid or traj, start), run_id="r", producer="test", key=traj,
+        segment_id=sid or f"{traj}-{start}", trajectory_id=traj, task_id="task",
+        step_start=start, step_end=start + n, boundary="max-length", address="a",
+        content_hash="h", min_policy_version=0, max_policy_version=0, trajectory_done=done,
+        success=success, milestones=list(milestones), milestone_steps=list(steps),
+        feedback=list(feedback) if feedback is not None else [0.0] * n, actions=list(actions))
+
+
+def proven(name="craft:axe#1"):
+    return Milestone(name=name, proof="orders[0].made=1/1")
+
+
+def cfg(**kw) -> ArbiterConfig:
+    return ArbiterConfig(**kw)
+
+
+FEEDBACK_RULE = [RuleSpec(name="env_feedback", weight=1.0)]
+
+
+def test_milestones_pay_once_per_trajectory_and_only_with_proof():
+    a = Arbitration(cfg())
+    s = seg(WORK, milestones=[proven(), Milestone(name="craft:saw#2", proof="")],
+            steps=[3, 4])
+    v = a.score(s, set(), "arb").scored
+    assert v.step_rewards == [0, 0, 0, 0.1, 0] and v.paid_milestones == ["craft:axe#1"]
+    assert v.components["guard:unproven"] == 1.0 and v.decided_by == "guard"
+    again = a.score(s, {"craft:axe#1"}, "arb").scored  # already paid in this trajectory
+    assert again.components["milestone"] == 0.0 and again.total == 0.0
+
+
+def test_precedence_outcome_over_milestone_over_rule_over_prm(tmp_path):
+    rule = [RuleSpec(name="proven_fact", weight=0.5, args={"milestone": "craft:"})]
+    a = Arbitration(cfg(rules=rule))
+    assert a.score(seg(WORK, milestones=[proven()], steps=[4], done=True, success=True),
+                   set(), "x").scored.decided_by == "outcome"
+    assert a.score(seg(WORK, milestones=[proven()], steps=[4]), set(), "x").scored.decided_by \
+        == "milestone"
+    # the rule pays for a fact the milestone level already paid: still "milestone"; with the
+    # milestone paid before, the rule alone decides
+    only_rule = a.score(seg(WORK, milestones=[proven()], steps=[4]), {"craft:axe#1"}, "x")
+    assert only_rule.scored.decided_by == "rule" and only_rule.scored.total == 0.5
+    path = tmp_path / "prm.safetensors"
+    save_prm(train_prm([LabelledSegment(tuple(WORK), 1.0)], epochs=20), str(path))
+    p = Arbitration(cfg(prm=ProcessRewardConfig(path=str(path), weight=0.1)))
+    v = p.score(seg(WORK), set(), "x").scored
+    assert v.decided_by == "prm" and v.components["prm:weight"] == 0.1
+    assert math.isclose(v.total, v.components["prm"]) and 0 < v.total < 0.1
+    assert Arbitration(cfg()).score(seg(WORK), set(), "x").scored.decided_by == "none"
+
+
+def test_farming_guard_vetoes_repeated_cheap_actions_but_keeps_verified_rewards():
+    actions = WORK[:2] + ["polish tools"] * 3
+    s = seg(actions, feedback=[0, 0, .01, .01, .01], milestones=[proven()], steps=[1],
+            done=True, success=True)
+    off = Arbitration(cfg(rules=FEEDBACK_RULE, guards=GuardConfig(enabled=False)))
+    paid = off.score(s, set(), "x").scored
+    assert math.isclose(paid.total, 1.0 + 0.1 + 0.03) and paid.decided_by == "outcome"
+    on = Arbitration(cfg(rules=FEEDBACK_RULE))  # chargeback 1: vetoed pay becomes a cost
+    v = on.score(s, set(), "x").scored
+    assert v.decided_by == "guard" and v.components["guard:farming"] == 1.0
+    assert math.isclose(v.components["guard:vetoed"], 0.03)
+    assert math.isclose(v.total, 1.0 + 0.1 - 0.03)  # outcome + milestone - chargeback
+    assert [round(r, 6) for r in v.step_rewards] == [0, 0.1, -0.01, -0.01, 1.0 - 0.01]
+    plain = Arbitration(cfg(rules=FEEDBACK_RULE, guards=GuardConfig(chargeback=0.0)))
+    assert math.isclose(plain.score(s, set(), "x").scored.total, 1.1)  # a plain veto
+    assert "repeated cheap action 'polish tools'" in v.guard_reasons[0]
+    assert math.isclose(v.components["rule:env_feedback"], 0.03)  # recorded, not paid
+
+
+def test_farming_rate_guard_and_its_threshold():
+    c = cfg(guards=GuardConfig(farm_repeat=100, farm_rate_ratio=3.0,
+                               task_milestones_per_step=0.1))  # milestone rate 0.01/step
+    s = seg(FARM * 5)  # 10 steps, each action only 5 times: below the repeat limit
+    assert farming_verdict(s, [0.03] * 10, c) is None  # exactly 3x: not above
+    verdict = farming_verdict(s, [0.031] * 10, c)
+    assert verdict is not None and "above 3 x the task's milestone rate" in verdict.reason
+    # pay at a step that proved a milestone is progress, not farming
+    s2 = seg(["craft"] * 4, milestones=[proven(f"m{i}") for i in range(4)], steps=[0, 1, 2, 3])
+    assert farming_verdict(s2, [1.0] * 4, c) is None
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.sampled_from(FARM + WORK), min_size=1, max_size=12),
+       st.lists(st.floats(0, 0.1), min_size=12, max_size=12), st.integers(1, 5))
+def test_farming_guard_matches_its_definition(actions, pay, repeat):
+    c = cfg(guards=GuardConfig(farm_repeat=repeat))
+    n = len(actions)
+    shaping = pay[:n]
+    cheap = [t for t in range(n) if shaping[t] > 0]
+    most = max((sum(1 for t in cheap if actions[t] == a) for a in set(actions)), default=0)
+    rate = sum(shaping[t] for t in cheap) / n
+    expected = most >= repeat or rate > 3.0 * 0.1 * 0.1
+    assert (farming_verdict(seg(actions), shaping, c) is not None) == expected
+
+
+def test_safety_rule_vetoes_everything_and_plugins_resolve():
+    rules = [RuleSpec(name="forbidden_text", args={"words": "sell ingot, rm -rf"})]
+    a = Arbitration(cfg(guards=GuardConfig(safety_rules=rules)))
+    s = seg(["craft", "sell ingot"], milestones=[proven()], steps=[0], done=True, success=True)
+    v = a.score(s, set(), "x").scored
+    assert math.isclose(v.total, -1.1) and v.components["guard:vetoed"] == 1.1
+    assert v.decided_by == "guard" and v.paid_milestones == []
+    assert v.components["guard:safety"] == 1.0 and "sell ingot" in v.guard_reasons[0]
+    # "module:function" plugins work for rules and safety rules alike
+    plug = cfg(rules=[RuleSpec(name="gyre_async.rewards.rules:env_feedback", weight=2.0)],
+               guards=GuardConfig(enabled=False))  # (on, 1.0/step is farming: vetoed)
+    assert Arbitration(plug).score(seg(["x"], feedback=[0.5]), set(), "x").scored.total == 1.0
+    with pytest.raises(RuleConfigError, match="unknown rule 'compiledd'"):
+        Arbitration(cfg(rules=[RuleSpec(name="compiledd")]))
+    with pytest.raises(RuleConfigError, match="bad args"):
+        Arbitration(cfg(rules=[RuleSpec(name="proven_fact", args={"nope": 1})]))
+
+
+def broken_rule():  # a factory for the failure tests: "tests.test_arbitration:broken_rule"
+    def rule(s):
+        if s.actions[0] == "boom":
+            raise RuntimeError("checker crashed")
+        return [math.nan] * (s.step_end - s.step_start) if s.actions[0] == "nan" else [1.0]
+    return rule
+
+
+def test_failed_components_are_reported_never_zero(tmp_path):
+    a = Arbitration(cfg(rules=[RuleSpec(name="tests.test_arbitration:broken_rule")]))
+    for actions, reason in ((["boom"], "checker crashed"), (["nan"], "non-finite"),
+                            (["a", "b"], "returned 1 values for a 2-step segment")):
+        v = a.score(seg(actions), set(), "x")
+        assert v.scored is None and len(v.failed) == 1
+        assert v.failed[0].component == "rule:tests.test_arbitration:broken_rule"
+        assert reason in v.failed[0].reason
+    missing = Arbitration(cfg(prm=ProcessRewardConfig(path=str(tmp_path / "no.safetensors"),
+                                                      weight=1.0)))
+    v = missing.score(seg(WORK, milestones=[proven()], steps=[0]), set(), "x")
+    assert v.scored is None and v.failed[0].component == "prm" and "not found" in v.failed[0].reason
+    corrupt = tmp_path / "bad.safetensors"
+    corrupt.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all")
+    v = Arbitration(cfg(prm=ProcessRewardConfig(path=str(corrupt), weight=1.0))).score(
+        seg(WORK), set(), "x")
+    assert v.scored is None and "not a readable safetensors" in v.failed[0].reason
+
+
+async def test_reward_failed_through_the_embedded_bus(tmp_path):
+    from actors.arbiter import Arbiter
+    from gyre_async.actor import ActorRunner
+    from gyre_async.bus import open_bus
+    from gyre_async.bus.reading import read_topics
+    from schemas import decode
+    from schemas.topics import SCORED, SEGMENT_CLOSED
+
+    prm_path = tmp_path / "prm.safetensors"
+    config = cfg(prm=ProcessRewardConfig(path=str(prm_path), weight=0.1))
+    first = [seg(WORK, start=0, milestones=[proven()], steps=[4], traj="a"),
+             seg(["wait"], start=0, done=True, traj="b")]
+    async with open_bus(f"sqlite:///{tmp_path}/events.db") as bus:
+        await bus.create_topics([SEGMENT_CLOSED, SCORED], 2)
+
+        async def run_batch(segments, expect):
+            await bus.publish(SEGMENT_CLOSED, [(s.key.encode(), encode(s)) for s in segments])
+            runner = ActorRunner(Arbiter(config), bus, run_id="r", heartbeat_s=30, partitions=2)
+            task = asyncio.create_task(runner.run())
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and not task.done():
+                await asyncio.sleep(0.1)
+                if len(await read_topics(bus, [SCORED])) >= expect:
+                    break
+            runner.stop()
+            await task
+            return [decode(SCORED, r.value) for r in await read_topics(bus, [SCORED])]
+
+        events = await run_batch(first, 2)  # no weights file yet: both withheld
+        assert all(isinstance(e, RewardFailed) for e in events), events
+        assert {(e.segment_id, e.component) for e in events} == {("a-0", "prm"), ("b-0", "prm")}
+        assert all("not found" in e.reason for e in events)
+        assert [e.trajectory_done for e in sorted(events, key=lambda e: e.segment_id)] == \
+            [False, True]
+        save_prm(train_prm([LabelledSegment(tuple(WORK), 1.0)], epochs=20), str(prm_path))
+        events = await run_batch([seg(WORK, start=5, traj="a")], 3)
+    scored = [e for e in events if isinstance(e, Scored)]
+    assert len(scored) == 1 and scored[0].segment_id == "a-5"
+    assert scored[0].components["prm"] != 0.0 and scored[0].decided_by == "prm"

@@ -184,7 +184,15 @@ class ProcessRewardConfig(Strict):
     path: str = ""
     """safetensors weights written by ``gyre_async.rewards.prm.train_prm`` ("" = off)."""
     weight: float = 0.0
-    """Segment's process reward = weight * mean per-step score in (-1, 1)."""
+    """Segment's process reward = weight * mean per-step score in [-1, 1]."""
+    reference: str = ""
+    """Reference judgments (JSONL, see gyre_async.rewards.drift) re-scored to catch drift."""
+    check_every_segments: int = 200
+    """Re-score the reference set before the first segment and then every N segments."""
+    min_agreement: float = 0.75
+    """Pairwise accuracy below this lowers the model's weight (restored once it agrees)."""
+    drifted_weight_factor: float = 0.0
+    """While drifted the model is paid at weight * this factor."""
 
 
 class ArbiterConfig(Strict):

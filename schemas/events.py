@@ -221,6 +221,25 @@ class RewardFailed(Event, tag="reward-failed", frozen=True, kw_only=True):
     trajectory_done: bool = False  # the withheld segment was its trajectory's last
 
 
+class DriftReport(Event, tag="drift-report", frozen=True, kw_only=True):
+    """The process reward model re-scored on reference judgments, and the weight in force."""
+
+    model: str  # weights file that was checked
+    reference: str  # reference judgments file
+    segments_scored: int  # segments the arbiter had handled when it checked
+    pairs: int
+    pairwise_accuracy: float
+    rank_correlation: float | None = None  # None: undefined on this reference set
+    base_weight: float
+    weight: float  # what the arbiter pays the model with from now on
+    drifted: bool
+
+    def __post_init__(self) -> None:
+        _finite("drift-report", self.pairwise_accuracy, self.base_weight, self.weight)
+        if self.rank_correlation is not None:
+            _finite("rank_correlation", self.rank_correlation)
+
+
 class PolicyVersion(Event, tag="policy-version", frozen=True, kw_only=True):
     """A new policy to act with: where its weights are and why it exists."""
 

@@ -7,6 +7,7 @@ from typing import Union
 from .events import (
     CriticReset,
     DeadLetter,
+    DriftReport,
     EnvError,
     EvalResult,
     Heartbeat,
@@ -40,7 +41,7 @@ TOPIC_UNIONS: dict[str, object] = {
     SCORED: Union[Scored, RewardFailed],
     POLICY_VERSION: PolicyVersion,
     EVAL: EvalResult,
-    TELEMETRY: Union[Heartbeat, SegmentDropped, CriticReset],
+    TELEMETRY: Union[Heartbeat, SegmentDropped, CriticReset, DriftReport],
     DEAD_LETTER: DeadLetter,
     PROBE_IN: Probe,
     PROBE_OUT: Probe,

@@ -14,6 +14,15 @@ from gyre_async.rewards.prm import (
 )
 
 
+def run_sync(coroutine):
+    """Result of a coroutine that never awaits (the workshop's reset), without a loop."""
+    try:
+        coroutine.send(None)
+    except StopIteration as done:
+        return done.value
+    raise RuntimeError("the coroutine awaited something")
+
+
 def workshop_segments(seed: int, n: int, farm_share: float, length: int = 8) -> list[list[str]]:
     """Action texts of real workshop play: the oracle, with a share of farming mixed in."""
     rng = random.Random(seed)
@@ -23,8 +32,7 @@ def workshop_segments(seed: int, n: int, farm_share: float, length: int = 8) -> 
     obs = None
     while len(out) < n:
         if obs is None:
-            import asyncio
-            obs = asyncio.run(env.reset("task", rng.randrange(10_000)))
+            obs = run_sync(env.reset("task", rng.randrange(10_000)))
         actions = []
         for _ in range(length):
             action = rng.choice(farm) if rng.random() < farm_share else oracle_action(obs)

@@ -12,8 +12,9 @@ exact definitions and the failure policy, is :mod:`gyre_async.rewards.arbitratio
 
 A component that fails emits ``reward-failed`` (one per component, with the reason) and
 the segment gets no ``scored`` event: it is withheld, never paid with a zero in place of
-the failed part. Pay-once state is rebuilt on restart from our own ``scored`` log, so a
-redelivered segment is never paid twice; the drift monitor's schedule and the process
+the failed part. Pay-once and caught-farming state is rebuilt on restart from our own
+``scored`` log, and a segment already in that log is not scored again, so a redelivered
+segment is never paid twice; the drift monitor's schedule and the process
 model's weight in force are rebuilt from our ``scored`` and ``drift-report`` events
 (:mod:`gyre_async.rewards.drift`).
 """
@@ -40,6 +41,8 @@ class Arbiter(Actor):
         self.arbitration = Arbitration(config)  # builds rules now: bad config fails at start
         self.drift = DriftWatch(config, self.arbitration.prm)
         self.paid: dict[str, set[str]] = {}
+        self.caught_farming: set[str] = set()  # trajectories a farming guard vetoed
+        self.handled_before_start: set[str] = set()  # segment ids already in our log
         self.scored = 0
         self.failed = 0
 
@@ -54,8 +57,13 @@ class Arbiter(Actor):
             if event.producer != self.runner.name:
                 continue
             handled.add(event.segment_id)
-            if isinstance(event, Scored):
+            if event.trajectory_done:  # the trajectory ended (scored or withheld)
+                self.paid.pop(event.trajectory_id, None)
+                self.caught_farming.discard(event.trajectory_id)
+            elif isinstance(event, Scored):
                 self.paid.setdefault(event.trajectory_id, set()).update(event.paid_milestones)
+                if event.components.get("guard:farming", 0.0) > 0:
+                    self.caught_farming.add(event.trajectory_id)
         last = None
         if self.drift.reference is not None:
             async for record in iter_topics(self.runner.bus, [TELEMETRY]):
@@ -64,23 +72,30 @@ class Arbiter(Actor):
                         (last is None or event.segments_scored >= last.segments_scored):
                     last = event
         self.drift.restore(len(handled), last)
+        self.handled_before_start = handled
 
     async def handle(self, event, record):
         match event:
+            case SegmentClosed() if event.segment_id in self.handled_before_start:
+                return []  # redelivered after a restart: its verdict is already on the bus
             case SegmentClosed():
                 out = []
                 report = self.drift.before_segment(event.run_id, self.runner.name)
                 if report is not None:
                     out.append(Emit(TELEMETRY, report))
                 paid = self.paid.setdefault(event.trajectory_id, set())
-                verdict = self.arbitration.score(event, paid, self.runner.name,
-                                                 prm_weight=self.drift.weight)
+                verdict = self.arbitration.score(
+                    event, paid, self.runner.name, prm_weight=self.drift.weight,
+                    caught_farming=event.trajectory_id in self.caught_farming)
                 if event.trajectory_done:
                     self.paid.pop(event.trajectory_id, None)
+                    self.caught_farming.discard(event.trajectory_id)
                 if verdict.scored is None:
                     self.failed += 1
                     return out + [Emit(SCORED, f) for f in verdict.failed]
                 paid.update(verdict.scored.paid_milestones)
+                if verdict.scored.components["guard:farming"] and not event.trajectory_done:
+                    self.caught_farming.add(event.trajectory_id)
                 self.scored += 1
                 return out + [Emit(SCORED, verdict.scored)]
         return []

@@ -209,3 +209,42 @@ async def test_reward_failed_through_the_embedded_bus(tmp_path):
     scored = [e for e in events if isinstance(e, Scored)]
     assert len(scored) == 1 and scored[0].segment_id == "a-5"
     assert scored[0].components["prm"] != 0.0 and scored[0].decided_by == "prm"
+
+
+async def test_a_trajectory_caught_farming_stays_caught_across_a_restart(tmp_path):
+    from actors.arbiter import Arbiter
+    from gyre_async.actor import ActorRunner
+    from gyre_async.bus import open_bus
+    from gyre_async.bus.reading import read_topics
+    from schemas import decode
+    from schemas.topics import SCORED, SEGMENT_CLOSED
+
+    config = cfg(rules=FEEDBACK_RULE)
+    farmed = seg(["polish tools"] * 3 + ["craft"], feedback=[.01, .01, .01, .1],
+                 milestones=[proven()], steps=[3], traj="f")
+    # one cheap step only: alone it is below every limit...
+    once = [seg(["sweep floor", "chop tree"], start=4, feedback=[.01, 0], traj=t)
+            for t in ("f", "clean")]
+    clean_first = seg(["chop tree"], feedback=[0.0], traj="clean")
+    async with open_bus(f"sqlite:///{tmp_path}/events.db") as bus:
+        await bus.create_topics([SEGMENT_CLOSED, SCORED], 1)
+        for batch, expect in (([farmed, clean_first], 2), (once, 4)):  # a restart between
+            await bus.publish(SEGMENT_CLOSED, [(s.key.encode(), encode(s)) for s in batch])
+            runner = ActorRunner(Arbiter(config), bus, run_id="r", heartbeat_s=30, partitions=1)
+            task = asyncio.create_task(runner.run())
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and len(await read_topics(bus, [SCORED])) < expect:
+                await asyncio.sleep(0.1)
+            runner.stop()
+            await task
+        scored = {e.segment_id: e for e in (decode(SCORED, r.value)
+                                            for r in await read_topics(bus, [SCORED]))}
+    first = scored["f-0"]
+    assert first.components["guard:farming"] == 1.0
+    # vetoed: feedback withheld everywhere, the no-progress pay charged back
+    assert [round(r, 6) for r in first.step_rewards] == [-0.01, -0.01, -0.01, 0.1]
+    # ...but the trajectory was caught before, so it is vetoed; the clean one is paid
+    assert scored["f-4"].decided_by == "guard" and scored["f-4"].total < 0
+    assert "after this trajectory was caught farming" in scored["f-4"].guard_reasons[0]
+    assert scored["clean-4"].decided_by == "rule" and math.isclose(scored["clean-4"].total, .01)
+    assert len(scored) == 4

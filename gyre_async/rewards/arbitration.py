@@ -8,7 +8,8 @@ level       what it does
 =========== ============================================================================
 guard       vetoes. ``unproven``: a milestone claim without state proof is not paid.
             ``farming``: repeated cheap actions or a no-progress pay rate far above the
-            task's milestone rate withhold the segment's rule and process rewards.
+            task's milestone rate withhold the segment's rule and process rewards and
+            charge the no-progress pay back (sticky for the rest of the trajectory).
             ``safety:<rule>``: a pluggable safety rule withholds every positive reward.
             (Definitions: :mod:`gyre_async.rewards.guards`.)
 outcome     the verifiable outcome of a finished trajectory, at its last step.
@@ -24,8 +25,8 @@ Raw environment feedback is recorded (``feedback``) but paid only if a rule pays
 Components: ``outcome``, ``milestone``, ``feedback``, ``rule:<name>``, ``prm``,
 ``prm:weight`` (the weight in force), ``guard:unproven`` (claims vetoed), ``guard:farming``
 and ``guard:safety`` (1 when they vetoed), ``guard:vetoed`` (pay withheld) and
-``guard:chargeback`` (``-chargeback * vetoed``, charged at the withheld steps: a veto alone
-would leave farming a free bet). ``step_rewards`` sum to ``total``.
+``guard:chargeback`` (``-chargeback`` times the vetoed no-progress pay, all vetoed pay for
+safety, charged at those steps: a veto alone would leave farming a free bet). ``step_rewards`` sum to ``total``.
 
 Failures: a component that raises, returns a non-finite value or the wrong length, or a
 process model that cannot be loaded, yields one ``reward-failed`` event per failed
@@ -43,7 +44,7 @@ from schemas import event_id
 from schemas.config import ArbiterConfig
 from schemas.events import RewardFailed, Scored, SegmentClosed
 
-from .guards import SafetyRules, Verdict, farming_verdict, unproven_claims
+from .guards import SafetyRules, Verdict, cheap_steps, farming_verdict, unproven_claims
 from .prm import ProcessReward
 from .rules import RuleFailed, RuleSet
 
@@ -66,8 +67,9 @@ class Arbitration:
         self.prm = ProcessReward(config.prm.path, config.prm.weight)
 
     def score(self, seg: SegmentClosed, paid: set[str], producer: str,
-              prm_weight: float | None = None) -> Verdicts:
-        """One segment and the trajectory's already-paid milestones -> scored or failed."""
+              prm_weight: float | None = None, caught_farming: bool = False) -> Verdicts:
+        """One segment and its trajectory's state (milestones already paid, caught farming
+        in an earlier segment) -> scored or failed."""
         c = self.config
         n = seg.step_end - seg.step_start
         failures: list[RuleFailed] = []
@@ -91,7 +93,7 @@ class Arbitration:
         shaping_steps = [sum(v[t] for v in shaping.values()) for t in range(n)]
         unproven = unproven_claims(seg)
         if c.guards.enabled:
-            farming = farming_verdict(seg, shaping_steps, c)
+            farming = farming_verdict(seg, shaping_steps, c, caught_farming)
             if farming is not None:
                 verdicts.append(farming)
             verdicts += [Verdict("unproven", f"milestone {m.name!r} claimed without state "
@@ -121,20 +123,24 @@ class Arbitration:
         # --- guards veto ------------------------------------------------------------------
         scopes = {v.scope for v in verdicts}
         rewards = [verified[t] + shaping_steps[t] for t in range(n)]
-        if "all" in scopes:  # safety: every positive reward withheld
+        charged = [0.0] * n
+        if "all" in scopes:  # safety: every positive reward withheld, all of it charged
             withheld = [max(r, 0.0) for r in rewards]
+            charged = withheld
             newly_paid = []  # nothing paid, nothing marked paid
-        elif "shaping" in scopes:  # farming: rule and process-model pay withheld
+        elif "shaping" in scopes:  # farming: shaping withheld, no-progress pay charged
             withheld = [max(s, 0.0) for s in shaping_steps]
+            for t in cheap_steps(seg, shaping_steps):
+                charged[t] = shaping_steps[t]
         else:
             withheld = [0.0] * n
         charge = c.guards.chargeback
-        rewards = [rewards[t] - (1.0 + charge) * withheld[t] for t in range(n)]
+        rewards = [rewards[t] - withheld[t] - charge * charged[t] for t in range(n)]
         components["guard:unproven"] = float(len(unproven))
         components["guard:farming"] = float(any(v.guard == "farming" for v in verdicts))
         components["guard:safety"] = float(any(v.guard.startswith("safety") for v in verdicts))
         components["guard:vetoed"] = float(sum(withheld))
-        components["guard:chargeback"] = -charge * float(sum(withheld))
+        components["guard:chargeback"] = -charge * float(sum(charged))
 
         decided_by = _decider(verdicts, seg, components, shaping)
         return Verdicts(Scored(

@@ -20,16 +20,19 @@ rewards the rule and process-model levels would pay on it):
                 reward per step that proven progress pays a competent policy; workshop:
                 one order per ~8 steps, so ``0.1 * 0.1 = 0.01`` per step by default).
 
-              Either condition vetoes: the segment's shaping pay (rules and process model)
-              is withheld and charged back (``guards.chargeback`` times it, at the same
-              steps); outcome and milestones stay (they are verified, and paid once, so
-              they cannot be farmed).
+              Either condition vetoes the segment: its shaping pay (rules and process
+              model) is withheld, and its no-progress pay is charged back
+              (``guards.chargeback`` times it, at the same steps); outcome and milestones
+              stay (they are verified, and paid once, so they cannot be farmed). A
+              trajectory once caught stays caught until it ends: any later segment of it
+              with a cheap step is vetoed the same way (farming just below the limits
+              would otherwise still pay).
 
 ``safety``    Pluggable rules ``rule(segment) -> reason | None`` named in
               ``guards.safety_rules`` (a registry name or ``"module:function"`` factory).
               A violation vetoes every positive reward of the segment, outcome and
               milestones included (a task done unsafely is not a success to reinforce),
-              charged back like farming.
+              all of it charged back.
 
 Built-in safety rule: ``forbidden_text`` (args ``words``: comma-separated phrases) — an
 action containing one of the phrases is a violation.
@@ -91,16 +94,25 @@ def _normalise(action: str) -> str:
     return " ".join(action.lower().split())
 
 
-def farming_verdict(seg: SegmentClosed, shaping: Sequence[float],
-                    config: ArbiterConfig) -> Verdict | None:
+def cheap_steps(seg: SegmentClosed, shaping: Sequence[float]) -> list[int]:
+    """Steps (0-based in the segment) paid shaping reward with no milestone proven there."""
+    steps = seg.milestone_steps or [seg.step_end - 1] * len(seg.milestones)
+    progress = {s - seg.step_start for s, m in zip(steps, seg.milestones) if m.proof}
+    return [t for t in range(seg.step_end - seg.step_start)
+            if shaping[t] > 0 and t not in progress]
+
+
+def farming_verdict(seg: SegmentClosed, shaping: Sequence[float], config: ArbiterConfig,
+                    caught_before: bool = False) -> Verdict | None:
     """The farming guard (see the module docstring for the exact definitions)."""
     g = config.guards
     n = seg.step_end - seg.step_start
-    steps = seg.milestone_steps or [seg.step_end - 1] * len(seg.milestones)
-    progress = {s - seg.step_start for s, m in zip(steps, seg.milestones) if m.proof}
-    cheap = [t for t in range(n) if shaping[t] > 0 and t not in progress]
+    cheap = cheap_steps(seg, shaping)
     if not cheap:
         return None
+    if caught_before:
+        return Verdict("farming", f"{len(cheap)} steps paid without progress after this "
+                                  "trajectory was caught farming", "shaping")
     actions = seg.actions if len(seg.actions) == n else [""] * n
     counts = Counter(_normalise(actions[t]) for t in cheap)
     action, repeats = counts.most_common(1)[0]

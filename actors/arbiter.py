@@ -12,7 +12,7 @@ exact definitions and the failure policy, is :mod:`gyre_async.rewards.arbitratio
 
 A component that fails emits ``reward-failed`` (one per component, with the reason) and
 the segment gets no ``scored`` event: it is withheld, never paid with a zero in place of
-the failed part. Pay-once and caught-farming state is rebuilt on restart from our own
+the failed part. Pay-once and farming-guard state is rebuilt on restart from our own
 ``scored`` log, and a segment already in that log is not scored again, so a redelivered
 segment is never paid twice; the drift monitor's schedule and the process
 model's weight in force are rebuilt from our ``scored`` and ``drift-report`` events
@@ -25,6 +25,7 @@ from gyre_async.actor import Actor, Emit
 from gyre_async.bus.reading import iter_topics
 from gyre_async.rewards.arbitration import Arbitration
 from gyre_async.rewards.drift import DriftWatch
+from gyre_async.rewards.guards import NEW_TRAJECTORY, FarmState
 from schemas import decode
 from schemas.config import ArbiterConfig, Config
 from schemas.events import DriftReport, Scored, SegmentClosed
@@ -41,7 +42,7 @@ class Arbiter(Actor):
         self.arbitration = Arbitration(config)  # builds rules now: bad config fails at start
         self.drift = DriftWatch(config, self.arbitration.prm)
         self.paid: dict[str, set[str]] = {}
-        self.caught_farming: set[str] = set()  # trajectories a farming guard vetoed
+        self.farm: dict[str, FarmState] = {}  # the farming guard's memory per trajectory
         self.handled_before_start: set[str] = set()  # segment ids already in our log
         self.scored = 0
         self.failed = 0
@@ -59,11 +60,10 @@ class Arbiter(Actor):
             handled.add(event.segment_id)
             if event.trajectory_done:  # the trajectory ended (scored or withheld)
                 self.paid.pop(event.trajectory_id, None)
-                self.caught_farming.discard(event.trajectory_id)
-            elif isinstance(event, Scored):
+                self.farm.pop(event.trajectory_id, None)
+            elif isinstance(event, Scored):  # one trajectory's events are in order
                 self.paid.setdefault(event.trajectory_id, set()).update(event.paid_milestones)
-                if event.components.get("guard:farming", 0.0) > 0:
-                    self.caught_farming.add(event.trajectory_id)
+                self.farm[event.trajectory_id] = FarmState.decode(event.guard_state)
         last = None
         if self.drift.reference is not None:
             async for record in iter_topics(self.runner.bus, [TELEMETRY]):
@@ -86,16 +86,16 @@ class Arbiter(Actor):
                 paid = self.paid.setdefault(event.trajectory_id, set())
                 verdict = self.arbitration.score(
                     event, paid, self.runner.name, prm_weight=self.drift.weight,
-                    caught_farming=event.trajectory_id in self.caught_farming)
+                    farm_state=self.farm.get(event.trajectory_id, NEW_TRAJECTORY))
                 if event.trajectory_done:
                     self.paid.pop(event.trajectory_id, None)
-                    self.caught_farming.discard(event.trajectory_id)
+                    self.farm.pop(event.trajectory_id, None)
                 if verdict.scored is None:
                     self.failed += 1
                     return out + [Emit(SCORED, f) for f in verdict.failed]
                 paid.update(verdict.scored.paid_milestones)
-                if verdict.scored.components["guard:farming"] and not event.trajectory_done:
-                    self.caught_farming.add(event.trajectory_id)
+                if not event.trajectory_done:
+                    self.farm[event.trajectory_id] = FarmState.decode(verdict.scored.guard_state)
                 self.scored += 1
                 return out + [Emit(SCORED, verdict.scored)]
         return []

@@ -163,13 +163,14 @@ class GuardConfig(Strict):
 
     enabled: bool = True
     """Master switch of every guard (the guards benchmark turns it off to show farming)."""
-    farm_repeat: int = 3
-    """Farming: one action text paid shaping reward without progress this often in a segment."""
-    farm_rate_ratio: float = 3.0
-    """Farming: shaping paid without progress per step exceeds this multiple of the task's
-    milestone rate (milestone_reward * task_milestones_per_step)."""
-    task_milestones_per_step: float = 0.1
-    """How often a competent policy proves a milestone (workshop: about one per 8 steps)."""
+    farm_repeat: int = 5
+    """Farming: one action paid shaping reward this often since the last proven milestone
+    (keep it above the longest legitimate run of one action between milestones)."""
+    farm_action_words: int = 1
+    """Farming: leading words that name an action for farm_repeat (0: the whole text)."""
+    farm_budget_ratio: float = 3.0
+    """Farming: shaping paid without progress since the last proven milestone may reach at
+    most this multiple of milestone_reward (the task's pay for proven progress)."""
     chargeback: float = 1.0
     """Vetoed pay is charged back at this multiple, at the steps it was withheld from
     (0: a plain veto, which leaves farming a free lottery ticket: paid when unnoticed,

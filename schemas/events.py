@@ -202,6 +202,7 @@ class Scored(Event, tag="scored", frozen=True, kw_only=True):
     decided_by: str
     paid_milestones: list[str] = []
     guard_reasons: list[str] = []  # why each guard that fired vetoed (empty: no veto)
+    guard_state: dict[str, float] = {}  # the farming guard's trajectory state after this segment
 
     def __post_init__(self) -> None:
         if len(self.step_rewards) != self.step_end - self.step_start:

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gyre_async.rewards.arbitration import Arbitration
-from gyre_async.rewards.guards import farming_verdict
+from gyre_async.rewards.guards import NEW_TRAJECTORY, FarmState, farming_verdict
 from gyre_async.rewards.plugins import RuleConfigError
 from gyre_async.rewards.prm import LabelledSegment, save_prm, train_prm
 from schemas import encode, event_id
@@ -81,48 +81,81 @@ def test_precedence_outcome_over_milestone_over_rule_over_prm(tmp_path):
 
 
 def test_farming_guard_vetoes_repeated_cheap_actions_but_keeps_verified_rewards():
-    actions = WORK[:2] + ["polish tools"] * 3
+    actions = WORK[:2] + ["polish tools", "polish floor", "Polish  tools"]  # one action
     s = seg(actions, feedback=[0, 0, .01, .01, .01], milestones=[proven()], steps=[1],
             done=True, success=True)
     off = Arbitration(cfg(rules=FEEDBACK_RULE, guards=GuardConfig(enabled=False)))
     paid = off.score(s, set(), "x").scored
     assert math.isclose(paid.total, 1.0 + 0.1 + 0.03) and paid.decided_by == "outcome"
-    on = Arbitration(cfg(rules=FEEDBACK_RULE))  # chargeback 1: vetoed pay becomes a cost
-    v = on.score(s, set(), "x").scored
+    guards = GuardConfig(farm_repeat=3)  # chargeback 1: vetoed pay becomes a cost
+    v = Arbitration(cfg(rules=FEEDBACK_RULE, guards=guards)).score(s, set(), "x").scored
     assert v.decided_by == "guard" and v.components["guard:farming"] == 1.0
     assert math.isclose(v.components["guard:vetoed"], 0.03)
     assert math.isclose(v.total, 1.0 + 0.1 - 0.03)  # outcome + milestone - chargeback
     assert [round(r, 6) for r in v.step_rewards] == [0, 0.1, -0.01, -0.01, 1.0 - 0.01]
-    plain = Arbitration(cfg(rules=FEEDBACK_RULE, guards=GuardConfig(chargeback=0.0)))
+    plain = Arbitration(cfg(rules=FEEDBACK_RULE, guards=GuardConfig(farm_repeat=3,
+                                                                    chargeback=0.0)))
     assert math.isclose(plain.score(s, set(), "x").scored.total, 1.1)  # a plain veto
-    assert "repeated cheap action 'polish tools'" in v.guard_reasons[0]
+    assert "repeated cheap action 'polish': paid 3 times" in v.guard_reasons[0]
     assert math.isclose(v.components["rule:env_feedback"], 0.03)  # recorded, not paid
+    whole_text = GuardConfig(farm_repeat=3, farm_action_words=0)  # three different texts
+    assert Arbitration(cfg(rules=FEEDBACK_RULE, guards=whole_text)).score(
+        s, set(), "x").scored.decided_by == "outcome"
 
 
-def test_farming_rate_guard_and_its_threshold():
-    c = cfg(guards=GuardConfig(farm_repeat=100, farm_rate_ratio=3.0,
-                               task_milestones_per_step=0.1))  # milestone rate 0.01/step
+def test_farming_budget_between_milestones_carries_across_segments():
+    c = cfg(guards=GuardConfig(farm_repeat=100, farm_budget_ratio=3.0))  # budget 0.3
     s = seg(FARM * 5)  # 10 steps, each action only 5 times: below the repeat limit
-    assert farming_verdict(s, [0.03] * 10, c) is None  # exactly 3x: not above
-    verdict = farming_verdict(s, [0.031] * 10, c)
-    assert verdict is not None and "above 3 x the task's milestone rate" in verdict.reason
-    # pay at a step that proved a milestone is progress, not farming
-    s2 = seg(["craft"] * 4, milestones=[proven(f"m{i}") for i in range(4)], steps=[0, 1, 2, 3])
-    assert farming_verdict(s2, [1.0] * 4, c) is None
+    assert farming_verdict(s, [0.03] * 10, c)[0] is None  # exactly 3x: not above
+    verdict, state = farming_verdict(s, [0.031] * 10, c)
+    assert "above 3 x the milestone reward (0.3)" in verdict.reason and state.caught
+    # the budget spans segments: 0.2 now, 0.2 later (no milestone between) is too much...
+    first, state = farming_verdict(seg(FARM), [0.1, 0.1], c)
+    assert first is None and math.isclose(state.pay, 0.2)
+    assert farming_verdict(seg(FARM, start=2), [0.1, 0.1], c, state)[0] is not None
+    # ...unless a proven milestone came between: progress resets it
+    s2 = seg(["craft", "polish tools"], start=2, milestones=[proven()], steps=[2])
+    assert farming_verdict(s2, [0.1, 0.1], c, state)[0] is None
+    # a caught trajectory stays caught: one cheap step later is vetoed too
+    caught = FarmState({}, 0.0, caught=True)  # e.g. after a milestone reset the budget
+    assert "after this trajectory was caught" in farming_verdict(
+        seg(["sweep floor"], start=10), [0.01], c, caught)[0].reason
+    assert farming_verdict(seg(["chop tree"], start=10), [0.0], c, caught)[0] is None
+
+
+def slow_farming_flags(trajectory, pay, progress, repeat, budget):
+    """Per step: is farming detected there? Recounted from scratch at every step."""
+    flags = []
+    for t in range(len(trajectory)):
+        last = max([p for p in progress if p <= t], default=-1)
+        span = [u for u in range(last + 1, t + 1) if pay[u] > 0 and u not in progress]
+        verb = trajectory[t].split()[0]
+        flags.append(t in span and (
+            sum(trajectory[u].split()[0] == verb for u in span) >= repeat
+            or sum(pay[u] for u in span) > budget))
+    return flags
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.sampled_from(FARM + WORK), min_size=1, max_size=12),
-       st.lists(st.floats(0, 0.1), min_size=12, max_size=12), st.integers(1, 5))
-def test_farming_guard_matches_its_definition(actions, pay, repeat):
-    c = cfg(guards=GuardConfig(farm_repeat=repeat))
-    n = len(actions)
-    shaping = pay[:n]
-    cheap = [t for t in range(n) if shaping[t] > 0]
-    most = max((sum(1 for t in cheap if actions[t] == a) for a in set(actions)), default=0)
-    rate = sum(shaping[t] for t in cheap) / n
-    expected = most >= repeat or rate > 3.0 * 0.1 * 0.1
-    assert (farming_verdict(seg(actions), shaping, c) is not None) == expected
+@given(st.lists(st.sampled_from(FARM + WORK), min_size=2, max_size=16), st.data())
+def test_farming_guard_matches_a_slow_reference(trajectory, data):
+    n = len(trajectory)
+    pay = data.draw(st.lists(st.sampled_from([0.0, 0.02, 0.05, 0.1]), min_size=n, max_size=n))
+    progress = set(data.draw(st.lists(st.integers(0, n - 1), max_size=3)))
+    cuts = sorted(set(data.draw(st.lists(st.integers(1, n - 1), max_size=3))))
+    repeat = data.draw(st.integers(1, 4))
+    c = cfg(guards=GuardConfig(farm_repeat=repeat, farm_budget_ratio=2.0))  # budget 0.2
+    flags = slow_farming_flags(trajectory, pay, progress, repeat, 0.2)
+    state, caught = NEW_TRAJECTORY, False
+    for lo, hi in zip([0, *cuts], [*cuts, n]):
+        ms = sorted(p for p in progress if lo <= p < hi)
+        s = seg(trajectory[lo:hi], start=lo, milestones=[proven(f"m{p}") for p in ms],
+                steps=ms)
+        verdict, state = farming_verdict(s, pay[lo:hi], c, state)
+        cheap = any(pay[t] > 0 and t not in progress for t in range(lo, hi))
+        expected = any(flags[lo:hi]) or (caught and cheap)
+        assert (verdict is not None) == expected
+        caught = caught or expected
 
 
 def test_safety_rule_vetoes_everything_and_plugins_resolve():
@@ -219,7 +252,7 @@ async def test_a_trajectory_caught_farming_stays_caught_across_a_restart(tmp_pat
     from schemas import decode
     from schemas.topics import SCORED, SEGMENT_CLOSED
 
-    config = cfg(rules=FEEDBACK_RULE)
+    config = cfg(rules=FEEDBACK_RULE, guards=GuardConfig(farm_repeat=3))
     farmed = seg(["polish tools"] * 3 + ["craft"], feedback=[.01, .01, .01, .1],
                  milestones=[proven()], steps=[3], traj="f")
     # one cheap step only: alone it is below every limit...

@@ -7,10 +7,13 @@ every component is recorded in ``Scored.components`` whether paid or not:
 level       what it does
 =========== ============================================================================
 guard       vetoes. ``unproven``: a milestone claim without state proof is not paid.
-            ``farming``: repeated cheap actions or a no-progress pay rate far above the
-            task's milestone rate withhold the segment's rule and process rewards and
-            charge the no-progress pay back (sticky for the rest of the trajectory).
-            ``safety:<rule>``: a pluggable safety rule withholds every positive reward.
+            ``farming``: since the last proven milestone, one action paid without
+            progress ``farm_repeat`` times, or no-progress pay above
+            ``farm_budget_ratio * milestone_reward``: the segment's rule and process
+            rewards are withheld and the no-progress pay charged back (and the
+            trajectory stays caught until it ends).
+            ``safety:<rule>``: a pluggable safety rule withholds every positive reward
+            (charged back too).
             (Definitions: :mod:`gyre_async.rewards.guards`.)
 outcome     the verifiable outcome of a finished trajectory, at its last step.
 milestone   each task milestone proven by environment state, paid once per trajectory
@@ -26,7 +29,9 @@ Components: ``outcome``, ``milestone``, ``feedback``, ``rule:<name>``, ``prm``,
 ``prm:weight`` (the weight in force), ``guard:unproven`` (claims vetoed), ``guard:farming``
 and ``guard:safety`` (1 when they vetoed), ``guard:vetoed`` (pay withheld) and
 ``guard:chargeback`` (``-chargeback`` times the vetoed no-progress pay, all vetoed pay for
-safety, charged at those steps: a veto alone would leave farming a free bet). ``step_rewards`` sum to ``total``.
+safety, charged at those steps: a veto alone would leave farming a free bet).
+``step_rewards`` sum to ``total``. ``guard_reasons`` says why each guard fired;
+``guard_state`` carries the farming guard's memory of the trajectory.
 
 Failures: a component that raises, returns a non-finite value or the wrong length, or a
 process model that cannot be loaded, yields one ``reward-failed`` event per failed
@@ -44,7 +49,9 @@ from schemas import event_id
 from schemas.config import ArbiterConfig
 from schemas.events import RewardFailed, Scored, SegmentClosed
 
-from .guards import SafetyRules, Verdict, cheap_steps, farming_verdict, unproven_claims
+from .guards import (
+    NEW_TRAJECTORY, FarmState, SafetyRules, Verdict, cheap_steps, farming_verdict, unproven_claims,
+)
 from .prm import ProcessReward
 from .rules import RuleFailed, RuleSet
 
@@ -58,7 +65,8 @@ class Verdicts:
 
 
 class Arbitration:
-    """Builds the configured components once; :meth:`score` is pure given ``paid``."""
+    """Builds the configured components once; :meth:`score` is pure given its arguments
+    (and the process model's weights file)."""
 
     def __init__(self, config: ArbiterConfig):
         self.config = config
@@ -67,9 +75,10 @@ class Arbitration:
         self.prm = ProcessReward(config.prm.path, config.prm.weight)
 
     def score(self, seg: SegmentClosed, paid: set[str], producer: str,
-              prm_weight: float | None = None, caught_farming: bool = False) -> Verdicts:
-        """One segment and its trajectory's state (milestones already paid, caught farming
-        in an earlier segment) -> scored or failed."""
+              prm_weight: float | None = None,
+              farm_state: FarmState = NEW_TRAJECTORY) -> Verdicts:
+        """One segment and its trajectory's state (milestones already paid, the farming
+        guard's memory) -> scored (carrying the new farming state) or failed."""
         c = self.config
         n = seg.step_end - seg.step_start
         failures: list[RuleFailed] = []
@@ -93,7 +102,7 @@ class Arbitration:
         shaping_steps = [sum(v[t] for v in shaping.values()) for t in range(n)]
         unproven = unproven_claims(seg)
         if c.guards.enabled:
-            farming = farming_verdict(seg, shaping_steps, c, caught_farming)
+            farming, farm_state = farming_verdict(seg, shaping_steps, c, farm_state)
             if farming is not None:
                 verdicts.append(farming)
             verdicts += [Verdict("unproven", f"milestone {m.name!r} claimed without state "
@@ -151,7 +160,8 @@ class Arbitration:
             min_policy_version=seg.min_policy_version, trajectory_done=seg.trajectory_done,
             success=seg.success, components=components, step_rewards=rewards,
             total=float(sum(rewards)), decided_by=decided_by, paid_milestones=newly_paid,
-            guard_reasons=[f"{v.guard}: {v.reason}" for v in verdicts]), [])
+            guard_reasons=[f"{v.guard}: {v.reason}" for v in verdicts],
+            guard_state=farm_state.encode() if c.guards.enabled else {}), [])
 
 
 def _decider(verdicts, seg: SegmentClosed, components: dict[str, float],

@@ -6,27 +6,31 @@ rewards the rule and process-model levels would pay on it):
 ``unproven``  A milestone claimed without environment-state proof (empty ``proof``). The
               claim is never paid; the segment's verdict is ``guard``. Scope: that claim.
 
-``farming``   Reward farming. Definitions (per segment of ``n`` steps):
+``farming``   Reward farming: being paid, by the rule and process-model levels, for steps
+              that prove no progress. Definitions, per trajectory, over the steps since
+              its last proven milestone (a proven milestone resets the count):
 
               - *shaping pay* ``r_t`` = the sum, at step ``t``, of what the rule rewards and
                 the process reward model would pay (never outcome or milestones);
               - a *cheap step* is a step with ``r_t > 0`` at which the environment proved no
                 milestone: it was paid for something other than proven progress;
-              - **repeated cheap actions**: one action text (lower-cased, whitespace
-                collapsed) makes ``farm_repeat`` or more cheap steps of the segment;
-              - **rate far above the task's milestone rate**: the cheap pay per step,
-                ``sum(r_t over cheap steps) / n``, exceeds ``farm_rate_ratio`` times the
-                task's milestone rate ``milestone_reward * task_milestones_per_step`` (the
-                reward per step that proven progress pays a competent policy; workshop:
-                one order per ~8 steps, so ``0.1 * 0.1 = 0.01`` per step by default).
+              - an *action* is named by the first ``farm_action_words`` words of its text
+                (lower-cased; 0 = the whole text), so ``polish tools`` / ``polish floor``
+                count as one action, as the environment parses them;
+              - **repeated cheap actions**: one action makes ``farm_repeat`` cheap steps;
+              - **pay far above the task's milestone rate**: the cheap pay ``sum(r_t)``
+                exceeds ``farm_budget_ratio * milestone_reward``: between two proven
+                milestones, shaping may pay at most that multiple of what proven
+                progress pays, however many different cheap actions earn it.
 
-              Either condition vetoes the segment: its shaping pay (rules and process
-              model) is withheld, and its no-progress pay is charged back
-              (``guards.chargeback`` times it, at the same steps); outcome and milestones
-              stay (they are verified, and paid once, so they cannot be farmed). A
-              trajectory once caught stays caught until it ends: any later segment of it
-              with a cheap step is vetoed the same way (farming just below the limits
-              would otherwise still pay).
+              Either condition vetoes the segment where it happens: its shaping pay is
+              withheld, and its no-progress pay is charged back (``guards.chargeback``
+              times it, at the same steps); outcome and milestones stay (they are
+              verified and paid once, so they cannot be farmed). A trajectory once caught
+              stays caught until it ends: any later segment with a cheap step is vetoed
+              the same way (farming just below the limits would otherwise still pay).
+              The per-trajectory state rides on each ``scored`` event (``guard_state``),
+              so a restarted arbiter resumes it.
 
 ``safety``    Pluggable rules ``rule(segment) -> reason | None`` named in
               ``guards.safety_rules`` (a registry name or ``"module:function"`` factory).
@@ -40,7 +44,6 @@ action containing one of the phrases is a violation.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -90,42 +93,78 @@ def unproven_claims(seg: SegmentClosed) -> list[Milestone]:
     return [m for m in seg.milestones if not m.proof]
 
 
-def _normalise(action: str) -> str:
-    return " ".join(action.lower().split())
-
-
 def cheap_steps(seg: SegmentClosed, shaping: Sequence[float]) -> list[int]:
     """Steps (0-based in the segment) paid shaping reward with no milestone proven there."""
-    steps = seg.milestone_steps or [seg.step_end - 1] * len(seg.milestones)
-    progress = {s - seg.step_start for s, m in zip(steps, seg.milestones) if m.proof}
+    progress = _progress_steps(seg)
     return [t for t in range(seg.step_end - seg.step_start)
             if shaping[t] > 0 and t not in progress]
 
 
+def _progress_steps(seg: SegmentClosed) -> set[int]:
+    steps = seg.milestone_steps or [seg.step_end - 1] * len(seg.milestones)
+    return {s - seg.step_start for s, m in zip(steps, seg.milestones) if m.proof}
+
+
+def action_name(action: str, words: int) -> str:
+    parts = action.lower().split()
+    return " ".join(parts[:words] if words > 0 else parts)
+
+
+@dataclass(frozen=True)
+class FarmState:
+    """The farming guard's memory of one trajectory, since its last proven milestone."""
+
+    repeats: dict[str, int]
+    pay: float = 0.0
+    caught: bool = False
+
+    def encode(self) -> dict[str, float]:
+        return {"pay": self.pay, "caught": float(self.caught),
+                **{f"repeat:{a}": float(k) for a, k in self.repeats.items()}}
+
+    @classmethod
+    def decode(cls, d: dict[str, float]) -> FarmState:
+        return cls({k.removeprefix("repeat:"): int(v) for k, v in d.items()
+                    if k.startswith("repeat:")}, d.get("pay", 0.0), d.get("caught", 0.0) > 0)
+
+
+NEW_TRAJECTORY = FarmState({})
+
+
 def farming_verdict(seg: SegmentClosed, shaping: Sequence[float], config: ArbiterConfig,
-                    caught_before: bool = False) -> Verdict | None:
-    """The farming guard (see the module docstring for the exact definitions)."""
+                    state: FarmState = NEW_TRAJECTORY) -> tuple[Verdict | None, FarmState]:
+    """The farming guard (exact definitions in the module docstring): verdict, new state."""
     g = config.guards
     n = seg.step_end - seg.step_start
-    cheap = cheap_steps(seg, shaping)
-    if not cheap:
-        return None
-    if caught_before:
-        return Verdict("farming", f"{len(cheap)} steps paid without progress after this "
-                                  "trajectory was caught farming", "shaping")
     actions = seg.actions if len(seg.actions) == n else [""] * n
-    counts = Counter(_normalise(actions[t]) for t in cheap)
-    action, repeats = counts.most_common(1)[0]
-    if repeats >= g.farm_repeat:
-        return Verdict("farming", f"repeated cheap action {action!r}: paid {repeats} times "
-                                  f"without progress (limit {g.farm_repeat - 1})", "shaping")
-    rate = sum(shaping[t] for t in cheap) / n
-    milestone_rate = config.milestone_reward * g.task_milestones_per_step
-    if rate > g.farm_rate_ratio * milestone_rate:
-        return Verdict("farming", f"paid {rate:.4g}/step without progress, above "
-                                  f"{g.farm_rate_ratio:g} x the task's milestone rate "
-                                  f"{milestone_rate:.4g}/step", "shaping")
-    return None
+    progress = _progress_steps(seg)
+    repeats, pay = dict(state.repeats), state.pay
+    budget = g.farm_budget_ratio * config.milestone_reward
+    reasons, cheap, flagged = [], 0, set()
+    for t in range(n):
+        if t in progress:
+            repeats, pay = {}, 0.0
+            continue
+        if shaping[t] <= 0:
+            continue
+        cheap += 1
+        name = action_name(actions[t], g.farm_action_words)
+        repeats[name] = repeats.get(name, 0) + 1
+        pay += shaping[t]
+        if repeats[name] >= g.farm_repeat and name not in flagged:
+            flagged.add(name)
+            reasons.append(f"repeated cheap action {name!r}: paid {repeats[name]} times "
+                           "without progress")
+        if pay > budget and "" not in flagged:
+            flagged.add("")
+            reasons.append(f"paid {pay:.4g} without progress, above {g.farm_budget_ratio:g} x "
+                           f"the milestone reward ({budget:.4g})")
+    if state.caught and cheap and not reasons:
+        reasons.append(f"{cheap} steps paid without progress after this trajectory was "
+                       "caught farming")
+    caught = state.caught or bool(reasons)
+    verdict = Verdict("farming", "; ".join(reasons), "shaping") if reasons else None
+    return verdict, FarmState(repeats, pay, caught)
 
 
 class SafetyRules:

@@ -105,6 +105,8 @@ def first_at(points, target: float) -> int | None:
 
 def median_or_none(xs: list[int | None]) -> int | None:
     """Median with None as +infinity; None when most are None."""
+    if not xs:
+        return None
     inf = float("inf")
     m = statistics.median([inf if x is None else x for x in xs])
     return None if m == inf else int(m)
@@ -154,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="a run stops early once validation reaches this")
     p.add_argument("--reuse", action="store_true",
                    help="keep runs already finished in --out (a cut-short bench resumes)")
+    p.add_argument("--summarize", action="store_true",
+                   help="run nothing: report the runs finished in --out (seeds may be fewer)")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: 1 seed, 3k steps, 2 orders (checks the pipeline only)")
     args = p.parse_args(argv)
@@ -172,7 +176,10 @@ def main(argv: list[str] | None = None) -> int:
         for variant in variants:
             run_dir = os.path.join(args.out, f"{variant}-s{seed}")
             started = time.monotonic()
-            if args.reuse and os.path.exists(os.path.join(run_dir, "summary.json")):
+            finished = os.path.exists(os.path.join(run_dir, "summary.json"))
+            if args.summarize and not finished:
+                continue
+            if (args.reuse or args.summarize) and finished:
                 with open(os.path.join(run_dir, "summary.json")) as f:
                     summary = json.load(f)
             else:
@@ -188,8 +195,9 @@ def main(argv: list[str] | None = None) -> int:
                     f"first >= target at {first_at(points, args.target)}, curve "
                     f"{[(s, round(ok, 2)) for s, ok, _ in points]}")
             print(line, file=sys.stderr, flush=True)
-            with open(os.path.join(args.out, "runs.txt"), "a") as f:
-                f.write(line + "\n")
+            if not args.summarize:
+                with open(os.path.join(args.out, "runs.txt"), "a") as f:
+                    f.write(line + "\n")
     png = os.path.join(args.out, "credit_curves.png")
     plot(curves, args.target, png, args.budget)
     per_seed = {v: [first_at(c, args.target) for c in curves[v]] for v in variants}
@@ -201,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         ratio = round(gyre / (outcome if outcome is not None else args.budget), 3)
     print(json.dumps({
         "bench": "credit", "target": args.target, "budget_env_steps": args.budget,
+        "seeds_per_variant": {v: len(curves[v]) for v in variants},
         "task": {"n_orders": args.orders, "max_steps": args.max_steps,
                  "group_size": args.group_size},
         "steps_to_target_per_seed": per_seed,

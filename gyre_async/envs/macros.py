@@ -42,8 +42,10 @@ training row per decision) and the primitive steps (for audit and for counting).
 Accounting: an environment step is a *primitive* step everywhere steps are budgeted or
 reported (``loop.max_env_steps``, ``summary.json``'s ``env_steps``, ``SegmentClosed.env_steps``,
 ``ops/bench/macro.py``), see :func:`env_steps_of`. Training rows, the learner's
-``batch_steps`` and the sampler's staleness admission count policy-level decisions (one
-row per decision). The learner discounts per decision (gamma per row, not gamma**k).
+``batch_steps`` and ``policy-version.env_steps`` (steps trained on), the sampler's
+staleness admission, and the evaluator's ``mean_length`` / ``env_steps`` count policy-level
+decisions (one row per decision). The learner discounts per decision (gamma per row, not
+gamma**k).
 ``sampler.step_timeout_s`` bounds one whole decision, macro expansion included.
 """
 

@@ -44,6 +44,8 @@ from gyre_async.rl.fusion import OutcomeBook, fuse_segments
 from gyre_async.rl.ppo import broadcast_step_advantages, ppo_policy_loss, value_loss
 from gyre_async.rl.staleness import StalenessGate
 from gyre_async.storage.checkpoints import CheckpointStore
+from gyre_async.storage.errors import SegmentStoreError
+from gyre_async.storage.readable import unreadable_segments
 from gyre_async.storage.segments import SegmentStore
 from schemas import event_id
 from schemas.config import Config
@@ -373,8 +375,16 @@ class Learner(Actor):
         steps = self.core.buffered_steps
         staleness = max(self.version - b.scored.min_policy_version for b in self.core.buffer)
         started = time.monotonic()
-        arrays = await asyncio.to_thread(self._read_segments,
-                                         [b.scored.address for b in self.core.buffer])
+        try:
+            arrays = await asyncio.to_thread(self._read_segments,
+                                             [b.scored.address for b in self.core.buffer])
+        except SegmentStoreError:  # corrupt or missing: refuse exactly those, visibly
+            bad = await asyncio.to_thread(unreadable_segments, self.segment_store(),
+                                          [b.scored.address for b in self.core.buffer])
+            refused = [b for b in self.core.buffer if b.scored.address in bad]
+            self.core.buffer = [b for b in self.core.buffer if b.scored.address not in bad]
+            return [self._drop(b.scored, f"unreadable: {bad[b.scored.address]}")
+                    for b in refused]
         for item, arr in zip(self.core.buffer, arrays):
             item.arrays = arr
         batch = list(self.core.buffer)  # refused together if non-finite (elite picks aside)

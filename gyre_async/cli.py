@@ -12,7 +12,7 @@ from schemas.topics import ALL_TOPICS
 
 from .bus import open_bus
 from .config import bus_url, load_config
-from .errors import ConfigError
+from .errors import ConfigError, OutOfSpace
 from .logs import configure_logging
 
 EPILOG = """\
@@ -118,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"gyre: config error: {exc}", file=sys.stderr)
         return 2
+    except OutOfSpace as exc:  # a full disk: what and how to fix, not a traceback
+        print(f"gyre: out of space: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 

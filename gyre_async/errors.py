@@ -11,6 +11,10 @@ class RetriableError(GyreError):
     retriable = True
 
 
+class OutOfSpace(RetriableError):
+    """A volume is full (or a size limit was hit); the message names the path and the fix."""
+
+
 class ConfigError(GyreError):
     """Invalid configuration; the message names the field and the fix."""
 

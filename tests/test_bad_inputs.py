@@ -160,3 +160,73 @@ def test_non_finite_values_refused_before_any_optimizer_step(tmp_path):
     assert steps == []  # optimizer.step never ran
     after = learner.policy.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+# -- a corrupted Zarr chunk, a checkpoint with a wrong hash ------------------------------------
+
+async def _run_until(runner: ActorRunner, done, timeout: float = 60) -> None:
+    task = asyncio.create_task(runner.run())
+    deadline = time.monotonic() + timeout
+    while not done() and time.monotonic() < deadline and not task.done():
+        await asyncio.sleep(0.1)
+    runner.stop()
+    await task
+
+
+async def test_corrupt_segment_is_refused_and_the_rest_of_its_batch_trains(tmp_path):
+    cfg = tiny_learner_config(tmp_path, batch_steps=12)
+    store = SegmentStore(str(tmp_path / "segments.zarr"))
+    clean = [store_segment(store, t) for t in ("traj-a", "traj-b")]
+    # a segment alone in its own arrays (wider context), whose chunks then rot on disk
+    steps = make_steps("traj-x", 4)
+    wide = tuple(msgspec.structs.replace(s, context_tokens=[1 + j % 7 for j in range(40)])
+                 for s in steps)
+    ref = store.write(event_id("segment", "traj-x"),
+                      segment_arrays(ClosedSegment("traj-x", wide, "max-length", False)))
+    rotten = msgspec.structs.replace(clean[0], event_id="x", segment_id=event_id("segment", "traj-x"),
+                                     trajectory_id="traj-x", address=ref.address,
+                                     content_hash=ref.content_hash)
+    chunks = list((tmp_path / "segments.zarr" / "arrays" / "context_tokens").glob("int32_64/c/**/*"))
+    assert chunks
+    for chunk in (c for c in chunks if c.is_file()):
+        chunk.write_bytes(b"\x00garbage" * 8)
+    more = store_segment(store, "traj-c")
+    async with open_bus(f"sqlite:///{tmp_path}/events.db") as bus:
+        await bus.create_topics([SCORED], 1)
+        await bus.publish(SCORED, [(b"k", encode(s)) for s in (*clean, rotten, more)])
+        learner = Learner(cfg)
+        runner = ActorRunner(learner, bus, run_id="tiny", heartbeat_s=30, partitions=1)
+        await _run_until(runner, lambda: learner.version >= 1)
+        dropped = [e for r in await read_topics(bus, [TELEMETRY])
+                   if isinstance(e := decode(TELEMETRY, r.value), SegmentDropped)]
+        versions = [decode(POLICY_VERSION, r.value) for r in await read_topics(bus, [POLICY_VERSION])]
+    assert [d.segment_id for d in dropped] == [rotten.segment_id]
+    assert rotten.segment_id in dropped[0].reason and "unreadable" in dropped[0].reason
+    assert "corrupt" in dropped[0].reason, dropped[0].reason
+    assert versions[-1].version == 1
+    assert versions[-1].trained_segments == [s.segment_id for s in (*clean, more)]
+
+
+async def test_policy_version_with_wrong_hash_is_dead_lettered_by_the_sampler(tmp_path):
+    from actors.sampler import Sampler
+    from gyre_async.policy.factory import save_weights
+    from gyre_async.storage.checkpoints import CheckpointStore
+
+    cfg = tiny_learner_config(tmp_path)
+    sampler = Sampler(cfg)
+    ref = save_weights(CheckpointStore(str(tmp_path / "checkpoints")), sampler.holder.policy, 0,
+                       {"run_id": "tiny"})
+    bad = PolicyVersion(event_id=event_id("pv", 0), run_id="tiny", producer="learner",
+                        key="policy", version=0, checkpoint=ref.address,
+                        checkpoint_hash="0" * 64, reason="init")
+    async with open_bus(f"sqlite:///{tmp_path}/events.db") as bus:
+        await bus.create_topics([POLICY_VERSION], 1)
+        runner = ActorRunner(sampler, bus, run_id="tiny", heartbeat_s=30, partitions=1)
+        task = asyncio.create_task(_run_until(runner, lambda: runner.dead_letters >= 1, 30))
+        await asyncio.sleep(1.0)  # running, waiting for a policy
+        await bus.publish(POLICY_VERSION, [(b"policy", encode(bad))])
+        await task
+        dead = [decode(DEAD_LETTER, r.value) for r in await read_topics(bus, [DEAD_LETTER])]
+    assert len(dead) == 1 and "does not match expected" in dead[0].reason, dead
+    assert "0" * 64 in dead[0].reason and "fix:" in dead[0].reason
+    assert sampler.holder.version == -1  # it never acted with the unverified weights

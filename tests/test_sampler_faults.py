@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import msgspec
 
@@ -10,7 +11,7 @@ from gyre_async.bus import open_bus
 from gyre_async.bus.reading import read_topics
 from gyre_async.config import load_config
 from gyre_async.envs import register_env
-from gyre_async.envs.base import Env, StepResult
+from gyre_async.envs.base import MAX_OBSERVATION_CHARS, Env, StepResult
 from gyre_async.envs.workshop import WorkshopEnv
 from gyre_async.loop import run_loop
 from schemas import decode
@@ -21,7 +22,8 @@ from test_loop_e2e import TINY
 
 
 class FaultyWorkshop(Env):
-    """The workshop, except that some seeds hang at step 5 and others raise at step 3."""
+    """The workshop, except that some seeds hang at step 5, others raise at step 3, and
+    others answer step 4 with an over-long observation."""
 
     def __init__(self, **config):
         self.inner = WorkshopEnv(**config)
@@ -39,7 +41,10 @@ class FaultyWorkshop(Env):
             await asyncio.sleep(3600)  # a hung tool call
         if self.seed % 3 == 1 and self.t == 3:
             raise RuntimeError("tool crashed")
-        return await self.inner.step(action)
+        result = await self.inner.step(action)
+        if self.seed % 6 == 2 and self.t == 4:
+            return dataclasses.replace(result, observation="x" * (MAX_OBSERVATION_CHARS + 1))
+        return result
 
 
 register_env("faulty-workshop", FaultyWorkshop)
@@ -70,7 +75,9 @@ def test_hung_and_crashing_envs_end_only_their_trajectory(tmp_path):
     steps = [e for e in events if isinstance(e, TrajectoryStep)]
     segments = [e for e in events if isinstance(e, SegmentClosed)]
     kinds = {e.kind for e in errors}
-    assert {"timeout", "exception"} <= kinds, kinds
+    assert {"timeout", "exception", "oversized-observation"} <= kinds, kinds
+    assert any("observation of" in e.message and "limit" in e.message for e in errors
+               if e.kind == "oversized-observation")
     assert any("tool crashed" in e.message for e in errors)
     # healthy trajectories kept going well past the faulty ones' failure points
     assert max(s.step_index for s in steps) > 20

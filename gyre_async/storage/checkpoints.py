@@ -35,7 +35,7 @@ from safetensors import safe_open
 from safetensors.torch import load as st_load
 
 from ..faultpoints import pause_point
-from .errors import CheckpointCorrupt, CheckpointError
+from .errors import CheckpointCorrupt, CheckpointError, as_storage_full
 from .urls import fsync_dir, fsync_paths, normalize_store_url
 
 __all__ = ["CheckpointCorrupt", "CheckpointError", "CheckpointRef", "CheckpointStore"]
@@ -43,6 +43,8 @@ __all__ = ["CheckpointCorrupt", "CheckpointError", "CheckpointRef", "CheckpointS
 VERSION_KEY = "gyre.version"  # stored in the file's metadata, stripped on load
 _NAME_RE = re.compile(r"^v(\d{12})-([0-9a-f]{64})\.safetensors$")
 _BLOCK = 1 << 20
+_CORRUPT_FIX = ("fix: the file changed after it was published; restore it from a copy, or "
+                "roll back to an intact version")
 _DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
@@ -149,8 +151,12 @@ class CheckpointStore:
             else:
                 os.replace(tmp, final)
                 fsync_paths([final], self._root)
-        except BaseException:
+        except BaseException as exc:
             tmp.unlink(missing_ok=True)
+            full = as_storage_full(exc, f"checkpoint v{version} to {self._root}",
+                                   "learner.checkpoints")
+            if full is not None:
+                raise full from exc
             raise
         return CheckpointRef(f"{self.url}/{final.name}", sha, version)
 
@@ -168,7 +174,8 @@ class CheckpointStore:
             raise CheckpointError(f"checkpoint file {local} does not exist") from None
         if actual != expected_sha256:
             raise CheckpointCorrupt(
-                f"checkpoint {local}: sha256 {actual} does not match expected {expected_sha256}")
+                f"checkpoint {local}: sha256 {actual} does not match expected "
+                f"{expected_sha256}; {_CORRUPT_FIX}")
         try:
             with safe_open(str(local), framework="pt") as f:
                 meta = dict(f.metadata() or {})

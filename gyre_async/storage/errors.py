@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from ..errors import GyreError
+import errno
+
+from ..errors import GyreError, OutOfSpace
 
 
 class StorageError(GyreError):
-    """Base of the segment and checkpoint store errors (none of them retriable)."""
+    """Base of the segment and checkpoint store errors (only StorageFull is retriable)."""
 
 
 class SegmentStoreError(StorageError):
@@ -34,3 +36,30 @@ class CheckpointError(StorageError):
 
 class CheckpointCorrupt(CheckpointError):
     """A checkpoint file whose sha256 is not the one expected, or that cannot be parsed."""
+
+
+class StorageFull(StorageError, OutOfSpace):
+    """The volume under a store is full (or a size limit was hit): nothing was made visible.
+
+    Retriable in the sense that the same write succeeds once space is freed; the writer's
+    actor exits (its supervisor restarts it with backoff) without committing its inputs.
+    """
+
+    retriable = True
+
+
+_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+
+
+def as_storage_full(exc: BaseException, what: str, setting: str) -> StorageFull | None:
+    """A :class:`StorageFull` naming ``what`` was being written and the ``setting`` that
+    moves it, when ``exc`` (or its cause) is a full-disk error; else None."""
+    while exc is not None and not (isinstance(exc, OSError) and exc.errno in _FULL_ERRNOS):
+        exc = exc.__cause__ or exc.__context__
+    if exc is None:
+        return None
+    where = f" ({exc.filename})" if getattr(exc, "filename", None) else ""
+    return StorageFull(
+        f"no space left writing {what}{where}: {exc.strerror}. Nothing was published. Fix: "
+        f"free space on that volume (or delete old runs), or point {setting} at a larger "
+        "one, then restart; the writer resumes from its last committed input")

@@ -51,7 +51,13 @@ from zarr.errors import ArrayNotFoundError, NodeNotFoundError
 from zarr.storage import FsspecStore, LocalStore
 
 from ..faultpoints import pause_point
-from .errors import SegmentConflict, SegmentCorrupt, SegmentNotFound, SegmentStoreError
+from .errors import (
+    SegmentConflict,
+    SegmentCorrupt,
+    SegmentNotFound,
+    SegmentStoreError,
+    as_storage_full,
+)
 from .index_log import IndexLog, delete_keys
 from .segment_index import (
     IndexPage,
@@ -155,12 +161,18 @@ class SegmentStore:
             refs, entries, columns, cursors = self._plan(list(segments))
             if not entries:
                 return refs
-            touched = sync(self._write_columns(columns))
-            if self.durable and self._root is not None:
-                fsync_paths([self._root / key for key in touched], self._root)
-            pause_point("segment-write")  # rows written, index page not yet (ops/chaos.py)
-            self._log.append(IndexPage(self._index.seq + 1, tuple(entries), (),
-                                       {path: cursors[path] for path in columns}))
+            try:
+                touched = sync(self._write_columns(columns))
+                if self.durable and self._root is not None:
+                    fsync_paths([self._root / key for key in touched], self._root)
+                pause_point("segment-write")  # rows written, index page not yet (chaos.py)
+                self._log.append(IndexPage(self._index.seq + 1, tuple(entries), (),
+                                           {path: cursors[path] for path in columns}))
+            except OSError as exc:  # a full disk: no index page, so nothing is visible
+                full = as_storage_full(exc, f"segments to {self.url}", "segmenter.store")
+                if full is None:
+                    raise
+                raise full from exc
             return refs
 
     def read(self, address: str, verify: bool = True) -> dict[str, np.ndarray]:

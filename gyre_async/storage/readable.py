@@ -1,0 +1,24 @@
+"""Which segments of a batch cannot be read whole (corrupt chunk, wrong hash, deleted).
+
+A reader that meets one bad segment in a batch must not lose the batch, nor retry it
+forever: it refuses exactly the bad segments, with the store's reason, and goes on with
+the rest (the learner announces each refusal as ``segment-dropped``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from .errors import SegmentStoreError
+from .segments import SegmentStore
+
+
+def unreadable_segments(store: SegmentStore, addresses: Iterable[str]) -> dict[str, str]:
+    """``{address: reason}`` for every segment that fails to read with its content hash."""
+    bad: dict[str, str] = {}
+    for address in dict.fromkeys(addresses):
+        try:
+            store.read(address)
+        except SegmentStoreError as exc:
+            bad[address] = str(exc)
+    return bad

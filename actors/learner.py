@@ -378,7 +378,7 @@ class Learner(Actor):
         try:
             arrays = await asyncio.to_thread(self._read_segments,
                                              [b.scored.address for b in self.core.buffer])
-        except SegmentStoreError:  # corrupt or missing: refuse exactly those, visibly
+        except (SegmentStoreError, ValueError):  # corrupt, missing, foreign: refuse those
             bad = await asyncio.to_thread(unreadable_segments, self.segment_store(),
                                           [b.scored.address for b in self.core.buffer])
             refused = [b for b in self.core.buffer if b.scored.address in bad]

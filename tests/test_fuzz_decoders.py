@@ -21,6 +21,7 @@ import os
 import random
 import time
 import typing
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -35,12 +36,15 @@ from schemas.events import (
     EnvError,
     Milestone,
     Probe,
+    Scored,
     SegmentClosed,
+    SegmentDropped,
     TrajectoryStep,
 )
 from schemas.topics import (
     DEAD_LETTER,
     PROBE_IN,
+    SCORED,
     SEGMENT_CLOSED,
     TOPIC_UNIONS,
     TRAJECTORY_STEP,
@@ -343,6 +347,20 @@ def _segment(rng: random.Random, i: int) -> SegmentClosed:
     )
 
 
+def _scored(rng: random.Random, i: int) -> Scored:
+    """A structurally valid verdict on a segment the store never held (or another store's):
+    the learner must refuse it visibly (segment-dropped), not stall on it."""
+    n = rng.randrange(1, 40)
+    return Scored(
+        event_id=event_id("scored", i, rng.random()), run_id="t", producer="fuzz",
+        key=f"traj{i % 7}", segment_id=f"s{i}", trajectory_id=f"traj{i % 7}", task_id="task",
+        address=rng.choice(["elsewhere#s1", f"file:///nonexistent/segments.zarr#s{i}"]),
+        content_hash="h", step_start=0, step_end=n, min_policy_version=0,
+        trajectory_done=rng.random() < 0.3, success=rng.random() < 0.5,
+        components={"outcome": _rand_float(rng)}, step_rewards=[_rand_float(rng)] * n,
+        total=_rand_float(rng), decided_by="outcome")
+
+
 def _probe(rng: random.Random, i: int) -> Probe:
     return Probe(event_id=event_id("probe", i), run_id="t", producer="fuzz", key=f"k{i % 5}",
                  seq=i, payload=rng.choice(["p", "boom", ""]))
@@ -372,6 +390,8 @@ def make_inputs(role: str, n: int, seed: int) -> list[tuple[bytes | None, bytes]
             event = _step(rng, tid, max(index, 0))
         elif role == "arbiter":
             event = _segment(rng, i)
+        elif role == "learner":
+            event = _scored(rng, i)
         else:
             event = _probe(rng, i)
         if r < 0.15:
@@ -392,6 +412,14 @@ def make_inputs(role: str, n: int, seed: int) -> list[tuple[bytes | None, bytes]
     return out
 
 
+def _decodes(topic: str, value: bytes) -> bool:
+    try:
+        decode(topic, value)
+    except DecodeError:
+        return False
+    return True
+
+
 def _actor(role: str, tmp_path):
     if role == "echo":
         from actors.echo import EchoActor
@@ -403,6 +431,14 @@ def _actor(role: str, tmp_path):
         from schemas.config import ArbiterConfig
 
         return Arbiter(ArbiterConfig()), SEGMENT_CLOSED
+    if role == "learner":
+        from actors.learner import Learner
+        from gyre_async.config import load_config
+
+        cfg = load_config(Path(__file__).resolve().parents[1] / "ops" / "configs" / "tiny.toml")
+        cfg = msgspec.structs.replace(cfg, run=msgspec.structs.replace(
+            cfg.run, run_dir=str(tmp_path), run_id="t"))
+        return Learner(cfg), SCORED
     from actors.segmenter import Segmenter
     from schemas.config import SegmenterConfig
 
@@ -410,7 +446,8 @@ def _actor(role: str, tmp_path):
             TRAJECTORY_STEP)
 
 
-@pytest.mark.parametrize("role,seed", [("echo", 1), ("arbiter", 2), ("segmenter", 3)])
+@pytest.mark.parametrize("role,seed", [("echo", 1), ("arbiter", 2), ("segmenter", 3),
+                                       ("learner", 4)])
 async def test_actor_survives_fuzz_and_drops_nothing(role, seed, tmp_path):
     from gyre_async.actor import ActorRunner
     from gyre_async.bus import open_bus
@@ -431,7 +468,7 @@ async def test_actor_survives_fuzz_and_drops_nothing(role, seed, tmp_path):
             accounted = runner.processed + runner.dead_letters + runner.duplicates
             if accounted >= len(inputs):
                 lag = await bus.lag(runner.group, actor.consumes)
-                if lag == 0 or role == "segmenter":
+                if lag == 0 or role in ("segmenter", "learner"):
                     break
         crashed = task.done()
         runner.stop()
@@ -442,12 +479,20 @@ async def test_actor_survives_fuzz_and_drops_nothing(role, seed, tmp_path):
         else:
             error = None
         dead = [decode(DEAD_LETTER, r.value) for r in await read_topics(bus, [DEAD_LETTER])]
+        dropped = {e.segment_id for r in await read_topics(bus, ["telemetry"])
+                   if isinstance(e := decode("telemetry", r.value), SegmentDropped)}
     assert not crashed, f"{role} crashed: {error!r}"
     assert error is None, f"{role} failed on stop: {error!r}"
     assert len(dead) == runner.dead_letters
     assert runner.processed + len(dead) + runner.duplicates == len(inputs), (
         runner.processed, len(dead), runner.duplicates, len(inputs))
-    if role != "segmenter":
-        # The segmenter may still hold its last offsets uncommitted (commit_floor) until a
-        # later batch arrives; the stateless roles must be fully caught up.
+    if role == "learner":  # every verdict it took is refused visibly or still buffered
+        buffered = {b.scored.segment_id for b in actor.core.buffer}
+        taken = {decode(SCORED, v).segment_id for _, v in inputs if _decodes(SCORED, v)}
+        assert taken <= dropped | buffered, sorted(taken - dropped - buffered)[:5]
+        assert dropped
+    if role not in ("segmenter", "learner"):
+        # The segmenter (open segments) and the learner (its unfilled batch) may still hold
+        # their last offsets uncommitted (commit_floor) until a later batch arrives; the
+        # stateless roles must be fully caught up.
         assert lag == 0

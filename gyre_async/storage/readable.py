@@ -19,6 +19,6 @@ def unreadable_segments(store: SegmentStore, addresses: Iterable[str]) -> dict[s
     for address in dict.fromkeys(addresses):
         try:
             store.read(address)
-        except SegmentStoreError as exc:
+        except (SegmentStoreError, ValueError) as exc:  # ValueError: another store's address
             bad[address] = str(exc)
     return bad

@@ -25,7 +25,7 @@ from gyre_async.bus.reading import iter_topics
 from gyre_async.runlog import current_policy_version
 from gyre_async.envs import make_env
 from gyre_async.envs.macros import step_fields, with_macros
-from gyre_async.policy.factory import build_policy, build_tokenizer
+from gyre_async.policy.factory import build_acting_policy, build_tokenizer
 from gyre_async.policy.context import ContextBuilder
 from gyre_async.rl.exploration import exploration_stats, make_holder, sampling_params_at
 from gyre_async.rl.staleness import StalenessGate
@@ -44,7 +44,8 @@ class Sampler(Actor):
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.tokenizer = build_tokenizer(cfg)
-        self.holder = make_holder(cfg, build_policy(cfg, self.tokenizer))  # perturbed if configured
+        # perturbed if configured; a vLLM engine when policy.backend = "vllm"
+        self.holder = make_holder(cfg, build_acting_policy(cfg, self.tokenizer))
         self.batcher: ActionBatcher | None = None
         self.builder = ContextBuilder(self.tokenizer, cfg.policy.context_tokens,
                                       cfg.policy.history_turns)

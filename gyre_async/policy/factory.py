@@ -2,6 +2,11 @@
 
 One place decides the tokenizer, the model shape and the action vocabulary, so every role
 (sampler, learner, evaluator) builds byte-identical policies and any checkpoint fits all.
+
+``policy.backend`` picks the model: ``tiny`` (default) the small transformer built here;
+``hf`` a pretrained causal LM from ``policy.model`` (``smollm2``: converted once into the
+cache), trained by torch; ``vllm`` the same weights, but the sampler acts with a vLLM engine
+(:func:`build_acting_policy`) that reloads every published checkpoint.
 """
 
 from __future__ import annotations
@@ -14,15 +19,29 @@ from .tokenizer import BaseTokenizer, tokenizer_for_env
 from .torch_policy import ModelConfig, TorchPolicy
 
 
-def build_tokenizer(cfg: Config) -> BaseTokenizer:
-    from gyre_async.envs.macros import macro_words
+def model_path(cfg: Config) -> str:
+    """The local model directory of the ``hf``/``vllm`` backends (converting SmolLM2 once)."""
+    if cfg.policy.model == "smollm2":
+        from .smollm2 import ensure_converted
 
-    return tokenizer_for_env(cfg.task.env, macro_words(cfg.macros))
+        return str(ensure_converted())
+    return cfg.policy.model
+
+
+def build_tokenizer(cfg: Config) -> BaseTokenizer:
+    if cfg.policy.backend == "tiny":
+        from gyre_async.envs.macros import macro_words
+
+        return tokenizer_for_env(cfg.task.env, macro_words(cfg.macros))
+    from .hf_policy import HFTokenizer
+
+    return HFTokenizer.from_pretrained(model_path(cfg))
 
 
 def action_token_ids(cfg: Config, tokenizer: BaseTokenizer) -> tuple[int, ...]:
     """Token ids the policy may generate (empty: any token)."""
-    if not cfg.policy.constrain_actions or cfg.task.env != "workshop":
+    if (not cfg.policy.constrain_actions or cfg.task.env != "workshop"
+            or cfg.policy.backend != "tiny"):  # subword vocabularies: any token may be used
         return ()
     from gyre_async.envs.macros import macro_words
     from gyre_async.envs.workshop import ACTION_WORDS
@@ -31,15 +50,32 @@ def action_token_ids(cfg: Config, tokenizer: BaseTokenizer) -> tuple[int, ...]:
     return tuple(sorted({i for w in words for i in tokenizer.encode(w)}))
 
 
-def build_policy(cfg: Config, tokenizer: BaseTokenizer | None = None) -> TorchPolicy:
+def build_policy(cfg: Config, tokenizer: BaseTokenizer | None = None) -> Policy:
+    """The trainable policy (learner, evaluator; the sampler too unless backend is vllm)."""
     tokenizer = tokenizer or build_tokenizer(cfg)
     P = cfg.policy
+    if P.backend != "tiny":
+        from .hf_policy import HFPolicy
+
+        return HFPolicy.from_pretrained(model_path(cfg), tokenizer=tokenizer, seed=cfg.run.seed)
     config = ModelConfig(
         vocab_size=tokenizer.vocab_size, d_model=P.d_model, n_layers=P.n_layers,
         n_heads=P.n_heads, max_len=P.context_tokens + P.max_action_tokens + 1,
         action_token_ids=action_token_ids(cfg, tokenizer),
     )
     return TorchPolicy(config, tokenizer, seed=cfg.run.seed)
+
+
+def build_acting_policy(cfg: Config, tokenizer: BaseTokenizer | None = None) -> Policy:
+    """The policy the sampler acts with: a vLLM engine for ``backend = "vllm"``, else the
+    same policy as :func:`build_policy`."""
+    if cfg.policy.backend != "vllm":
+        return build_policy(cfg, tokenizer)
+    from .vllm_policy import VLLMPolicy
+
+    P = cfg.policy
+    return VLLMPolicy(model_path(cfg), tokenizer or build_tokenizer(cfg), seed=cfg.run.seed,
+                      max_model_len=P.context_tokens + P.max_action_tokens + 1)
 
 
 def save_weights(store: CheckpointStore, policy: Policy, version: int,

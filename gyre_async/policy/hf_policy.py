@@ -1,18 +1,35 @@
-"""A local Hugging Face causal LM as a Gyre policy (needs ``transformers``; not tested here).
+"""A local Hugging Face causal LM (e.g. SmolLM2-135M) as a trainable Gyre policy.
 
-It reuses :class:`~gyre_async.policy.torch_policy.CausalLMPolicy`, so batching, padding,
-sampling, log-prob conventions and checkpoints are exactly those of the tiny transformer. A
-fresh value head (conservatively initialised) reads the last context token's final hidden
+It reuses :class:`~gyre_async.policy.torch_policy.CausalLMPolicy`, so batching (left padding,
+positions counting real tokens only), sampling, log-prob conventions and the PPO-side
+``evaluate`` are exactly those of the tiny transformer. A fresh value head (conservatively
+initialised: values start at ``value_prior``) reads the last context token's final hidden
 state. Nothing is ever downloaded: ``from_pretrained`` only reads a local directory.
 
-Context markers (``<obs>``, ``<act>``, ``<sum>``) are plain text here (``"\\nObservation:"``
-etc., see :class:`HFTokenizer`), since a pretrained vocabulary has no such tokens.
+Token ids are the model's own from end to end: :class:`HFTokenizer` builds contexts, the
+sampler records those ids (``TrajectoryStep.context_tokens`` / ``action_tokens``), the
+segment store keeps them as int32, and the learner re-evaluates exactly them.
+
+Context markers: a pretrained vocabulary has no ``<obs>``/``<act>`` tokens, so markers are
+text. For chat models in the ChatML format (SmolLM2-Instruct) a context reads as a chat::
+
+    <|im_start|>system\\n{system prompt}[\\nProgress: summary]<|im_end|>\\n
+    <|im_start|>user\\n{observation}<|im_end|>\\n<|im_start|>assistant\\n{action}<|im_end|>\\n
+    <|im_start|>user\\n ... <|im_start|>assistant\\n      <- the policy generates here
+
+and the model's end-of-turn token (``<|im_end|>``) ends an action, as it was trained to.
+Other tokenizers get plain ``Observation:`` / ``Action:`` lines.
+
+Checkpoints hold the language model's tensors under their Hugging Face names (tied copies
+left out) plus ``value_head.weight`` / ``value_head.bias``; without the value head they are
+a model directory's ``model.safetensors``, which is how the vLLM backend serves them.
 """
 
 from __future__ import annotations
 
+import json
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -21,7 +38,26 @@ from torch import nn
 from .tokenizer import BaseTokenizer
 from .torch_policy import CausalLMPolicy
 
-_MARKERS = {"obs": "\nObservation: ", "act": "\nAction: ", "sum": "Progress: ", "sep": "\n"}
+SYSTEM_PROMPT = "You are playing a text adventure game. Reply with one command."
+CHATML_MARKERS = {
+    "bos": "<|im_start|>system\n" + SYSTEM_PROMPT,
+    "sum": "\nProgress: ",
+    "obs": "<|im_end|>\n<|im_start|>user\n",
+    "act": "<|im_end|>\n<|im_start|>assistant\n",
+    "sep": "\n",
+}
+PLAIN_MARKERS = {"obs": "\nObservation: ", "act": "\nAction: ", "sum": "Progress: ",
+                 "sep": "\n"}
+VALUE_HEAD = "value_head."
+
+
+def _need_transformers() -> Any:
+    try:
+        import transformers
+    except ImportError as exc:
+        raise ImportError("the 'hf' policy backend needs transformers: pip install "
+                          "'gyre[llm]' (the tiny backend needs nothing extra)") from exc
+    return transformers
 
 
 class HFTokenizer(BaseTokenizer):
@@ -31,7 +67,15 @@ class HFTokenizer(BaseTokenizer):
         self.hf = hf_tokenizer
         self.path = path
         self.vocab_size = len(hf_tokenizer)
-        self.eos_id = hf_tokenizer.eos_token_id
+        vocab = hf_tokenizer.get_vocab()
+        self.chat = "<|im_start|>" in vocab and "<|im_end|>" in vocab
+        if self.chat:
+            self.eos_id = vocab["<|im_end|>"]
+        elif hf_tokenizer.eos_token_id is not None:
+            self.eos_id = hf_tokenizer.eos_token_id
+        else:
+            raise ValueError(f"tokenizer at {path!r} has no end-of-sequence token; a policy "
+                             "needs one to end its actions")
         self.pad_id = hf_tokenizer.pad_token_id if hf_tokenizer.pad_token_id is not None \
             else self.eos_id
         self.bos_id = hf_tokenizer.bos_token_id if hf_tokenizer.bos_token_id is not None \
@@ -39,6 +83,13 @@ class HFTokenizer(BaseTokenizer):
         self.unk_id = hf_tokenizer.unk_token_id if hf_tokenizer.unk_token_id is not None \
             else self.pad_id
         self.special_ids = frozenset(hf_tokenizer.all_special_ids)
+        self.markers = CHATML_MARKERS if self.chat else PLAIN_MARKERS
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike[str]) -> HFTokenizer:
+        path = os.fspath(path)
+        hf = _need_transformers().AutoTokenizer.from_pretrained(path, local_files_only=True)
+        return cls(hf, path)
 
     def encode(self, text: str) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=False))
@@ -47,13 +98,11 @@ class HFTokenizer(BaseTokenizer):
         return self.hf.decode(list(ids), skip_special_tokens=skip_special)
 
     def marker(self, name: str) -> list[int]:
-        if name == "bos":
+        if name == "bos" and "bos" not in self.markers:
             return [self.bos_id]
-        return self.encode(_MARKERS[name])
+        return self.encode(self.markers[name])
 
     def to_json(self) -> str:
-        import json
-
         return json.dumps({"kind": "hf", "path": self.path})
 
 
@@ -62,9 +111,23 @@ class _LMWithValue(nn.Module):
         super().__init__()
         self.lm = lm
         hidden = lm.config.hidden_size
-        self.value_head = nn.Linear(hidden, 1)
+        self.value_head = nn.Linear(hidden, 1, dtype=next(lm.parameters()).dtype)
+        # The final norm's output has norm ~sqrt(hidden): these weights move values ~1e-3.
         nn.init.normal_(self.value_head.weight, std=1e-3 / hidden ** 0.5)
         nn.init.constant_(self.value_head.bias, value_prior)
+
+
+def tied_weight_names(lm: nn.Module) -> set[str]:
+    """State-dict names that are copies of another tensor (e.g. ``lm_head.weight``)."""
+    tied = getattr(lm, "all_tied_weights_keys", None) or getattr(lm, "_tied_weights_keys", None)
+    if isinstance(tied, Mapping):
+        names = set(tied)
+    else:
+        names = set(tied or ())
+    if getattr(lm.config, "tie_word_embeddings", False):
+        names.add("lm_head.weight")
+    state = lm.state_dict(keep_vars=True)
+    return {n for n in names if n in state}
 
 
 class HFPolicy(CausalLMPolicy):
@@ -75,25 +138,28 @@ class HFPolicy(CausalLMPolicy):
         config = lm.config
         max_len = int(getattr(config, "max_position_embeddings", 4096))
         super().__init__(tokenizer, config.vocab_size, max_len, action_token_ids, seed)
-        self._model = _LMWithValue(lm, value_prior)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            self._model = _LMWithValue(lm, value_prior)
+        self._tied = tied_weight_names(lm)
+        self.model_path = ""
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike[str], *, value_prior: float = 0.0,
-                        dtype: torch.dtype | None = None, **kwargs: Any) -> HFPolicy:
+    def from_pretrained(cls, path: str | os.PathLike[str], *, tokenizer: HFTokenizer | None = None,
+                        dtype: torch.dtype = torch.float32, **kwargs: Any) -> HFPolicy:
         """Load ``path`` (a local model directory) with ``transformers``; never downloads."""
-        try:
-            import transformers
-        except ImportError as exc:
-            raise ImportError("HFPolicy needs the 'transformers' package (pip install "
-                              "transformers); the tiny TorchPolicy needs nothing extra") from exc
+        transformers = _need_transformers()
         path = os.fspath(path)
         if not os.path.isdir(path):
             raise FileNotFoundError(f"HFPolicy.from_pretrained: {path} is not a local model "
-                                    "directory (nothing is downloaded at run time)")
+                                    "directory (nothing is downloaded at run time; for SmolLM2 "
+                                    "run `python -m gyre_async.policy.smollm2` once)")
         lm = transformers.AutoModelForCausalLM.from_pretrained(path, local_files_only=True,
-                                                               torch_dtype=dtype)
-        tok = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
-        return cls(lm, HFTokenizer(tok, path), value_prior=value_prior, **kwargs)
+                                                               dtype=dtype)
+        lm.eval()  # no dropout: acting and evaluate must see the same function
+        policy = cls(lm, tokenizer or HFTokenizer.from_pretrained(path), **kwargs)
+        policy.model_path = path
+        return policy
 
     @property
     def model(self) -> nn.Module:
@@ -101,16 +167,37 @@ class HFPolicy(CausalLMPolicy):
 
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor, cache: Any = None
                  ) -> tuple[torch.Tensor, Any]:
+        # The decoder alone (final norm included): the LM head runs only where logits are
+        # needed, not over a whole context times a 49k vocabulary.
         positions = (mask.long().cumsum(1) - 1).clamp(min=0)[:, mask.shape[1] - ids.shape[1]:]
-        out = self._model.lm(input_ids=ids, attention_mask=mask.long(), position_ids=positions,
-                             past_key_values=cache, use_cache=True, output_hidden_states=True)
-        return out.hidden_states[-1], out.past_key_values
+        use_cache = cache is not None or torch.is_inference_mode_enabled()
+        out = self._model.lm.get_decoder()(
+            input_ids=ids, attention_mask=mask.long(), position_ids=positions,
+            past_key_values=cache, use_cache=use_cache)
+        return out.last_hidden_state, out.past_key_values
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         return self._model.lm.get_output_embeddings()(h)
 
     def _value(self, h_last: torch.Tensor) -> torch.Tensor:
-        return self._model.value_head(h_last.to(self._model.value_head.weight.dtype)).squeeze(-1)
+        return self._model.value_head(h_last).squeeze(-1)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """LM tensors under their Hugging Face names (tied copies left out) + value head."""
+        out = {k: v for k, v in self._model.lm.state_dict().items() if k not in self._tied}
+        out.update({VALUE_HEAD + k: v for k, v in self._model.value_head.state_dict().items()})
+        return out
+
+    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        lm_part = {k: v for k, v in state_dict.items() if not k.startswith(VALUE_HEAD)}
+        head = {k[len(VALUE_HEAD):]: v for k, v in state_dict.items() if k.startswith(VALUE_HEAD)}
+        with self._lock:
+            result = self._model.lm.load_state_dict(lm_part, strict=False)
+            missing = set(result.missing_keys) - self._tied
+            if missing or result.unexpected_keys:
+                raise RuntimeError(f"weights do not fit this model: missing {sorted(missing)[:5]}"
+                                   f", unexpected {sorted(result.unexpected_keys)[:5]}")
+            self._model.value_head.load_state_dict(head, strict=True)
 
     def checkpoint_metadata(self) -> dict[str, str]:
         return {"format": "gyre-hf-policy", "version": str(self.version),

@@ -116,13 +116,9 @@ def tokenizer_from_json(text: str) -> Tokenizer:
     if spec.get("kind") == "byte":
         return ByteTokenizer()
     if spec.get("kind") == "hf":
-        import transformers
-
         from .hf_policy import HFTokenizer
 
-        path = spec["path"]
-        return HFTokenizer(transformers.AutoTokenizer.from_pretrained(path, local_files_only=True),
-                           path)
+        return HFTokenizer.from_pretrained(spec["path"])
     raise ValueError(f"unknown tokenizer kind {spec.get('kind')!r}")
 
 

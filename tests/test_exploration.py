@@ -141,8 +141,7 @@ def test_param_noise_adapts_to_the_target_kl(tmp_path, one_thread):
     cfg = tiny(param_noise_target_kl=target, param_noise_initial_std=0.004,
                param_noise_adapt=1.15, param_noise_probe_contexts=32)
     ref, _ = _checkpoint(cfg, tmp_path, 0, seed=1)
-    holder = PerturbedPolicyHolder(build_policy(cfg, build_tokenizer(cfg)),
-                                   cfg.sampler.exploration, seed=3)
+    holder = PerturbedPolicyHolder(build_policy(cfg, build_tokenizer(cfg)), cfg, seed=3)
     holder.load(ref.address, ref.sha256, 0)
     holder.recent.extend(asyncio.run(probe_contexts(cfg, holder.policy.tokenizer, 32, 9000)))
     first = holder.measure_kl()
@@ -159,15 +158,16 @@ def test_param_noise_adapts_to_the_target_kl(tmp_path, one_thread):
 
 
 def test_perturbed_actions_carry_the_perturbed_policys_logprobs(tmp_path):
-    cfg = tiny(param_noise_target_kl=0.05, param_noise_initial_std=0.05)
+    cfg = tiny(param_noise_target_kl=0.05, param_noise_initial_std=0.05,
+               temperature_end=0.7, top_p_end=0.9, anneal_versions=4)
     ref, clean = _checkpoint(cfg, tmp_path, 0, seed=2)
-    holder = PerturbedPolicyHolder(build_policy(cfg, build_tokenizer(cfg)),
-                                   cfg.sampler.exploration, seed=5)
-    holder.load(ref.address, ref.sha256, 0)
+    holder = PerturbedPolicyHolder(build_policy(cfg, build_tokenizer(cfg)), cfg, seed=5)
+    holder.load(ref.address, ref.sha256, 5)  # past the schedule: temperature 0.7, top-p 0.9
     contexts = asyncio.run(probe_contexts(cfg, clean.tokenizer, 16, 7000))
-    params = SamplingParams(temperature=0.7, top_p=0.9, max_action_tokens=4)
-    actions, version = holder.act(contexts, params, seed=11)
-    assert version == 0
+    ignored = SamplingParams(temperature=3.0, max_action_tokens=4)  # the schedule decides
+    actions, version = holder.act(contexts, ignored, seed=11)
+    params = holder.params_now()
+    assert version == 5 and (params.temperature, params.top_p) == pytest.approx((0.7, 0.9))
     perturbed_lp = _behaviour_logp(holder.policy.next_token_logprobs(contexts), params)
     clean_lp = _behaviour_logp(clean.next_token_logprobs(contexts), params)
     got = torch.tensor([a.logprobs[0] for a in actions])
@@ -192,7 +192,8 @@ def _pv(ref, version) -> PolicyVersion:
 def test_sampler_records_logprobs_of_the_annealed_distribution(tmp_path):
     """Steps of v0 are drawn at the start temperature, steps of v10 at the end one (with
     top-p): each recorded first-token log-prob equals the policy's at that version's
-    scheduled temperature and top-p, recomputed here from the checkpoint."""
+    scheduled temperature and top-p, recomputed here from the checkpoint. (Every step,
+    including those of batches that were waiting while v10's weights loaded.)"""
     cfg = tiny(temperature_end=0.5, top_p_end=0.9, anneal_versions=10)
     cfg = msgspec.structs.replace(cfg, run=msgspec.structs.replace(
         cfg.run, run_dir=str(tmp_path / "run")), sampler=msgspec.structs.replace(

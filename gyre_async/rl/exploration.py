@@ -19,7 +19,9 @@ Two knobs, both in ``[sampler.exploration]`` (``schemas.config.ExplorationConfig
   the most recent contexts, then ``sigma *= alpha`` if it is below the target, ``sigma /=
   alpha`` if above, and a fresh perturbation is drawn.
 
-**Log-probs stay correct.** ``Action.logprobs`` (recorded as ``action_logprobs`` on every
+**Log-probs stay correct.** The holder (:class:`ScheduledPolicyHolder`) picks temperature
+and top-p for the version it holds inside its lock, so weights and sampling parameters
+always belong to the same version. ``Action.logprobs`` (recorded as ``action_logprobs`` on every
 ``trajectory-step``, the learner's behaviour log-probs for the importance weight) come from
 the very forward pass that sampled the action: the perturbed weights, at the annealed
 temperature and top-p. The step is still stamped with the clean version it was derived
@@ -34,7 +36,7 @@ from collections.abc import Mapping
 
 import torch
 
-from schemas.config import Config, ExplorationConfig
+from schemas.config import Config
 
 from .. import timing
 from ..policy.base import Policy, SamplingParams
@@ -105,18 +107,50 @@ def perturb(state: Mapping[str, torch.Tensor], std: float, generator: torch.Gene
     return out
 
 
-class PerturbedPolicyHolder(PolicyHolder):
-    """A policy holder whose policy acts with adaptively perturbed weights.
+class ScheduledPolicyHolder(PolicyHolder):
+    """A policy holder that samples at the schedule's parameters for the version it holds.
 
-    ``load`` keeps the clean weights and installs a perturbed copy; ``act`` records the
-    contexts it sees (the probe set for the KL) and adapts the noise every
-    ``adapt_every`` calls. Everything happens under the holder's lock, so no batch ever
-    runs on half-swapped weights.
+    The temperature and top-p are decided inside the holder's lock, from the version whose
+    weights are loaded, so a batch can never pair new weights with the previous version's
+    sampling parameters (a new version may land between the batcher's call and the lock).
+    The ``params`` argument of :meth:`act` gives only what the schedule does not: it is
+    overridden by :func:`sampling_params_at`.
     """
 
-    def __init__(self, policy: Policy, exploration: ExplorationConfig, seed: int = 0):
+    def __init__(self, policy: Policy, cfg: Config):
         super().__init__(policy)
-        e = exploration
+        self.cfg = cfg
+
+    def params_now(self) -> SamplingParams:
+        return sampling_params_at(self.cfg, max(self.version, 0))
+
+    def act(self, contexts: list[list[int]], params: SamplingParams, seed: int | None):
+        with self.lock:
+            self._before_act(contexts)
+            with timing.timed("policy"):
+                return (self.policy.act_batch(contexts, self.params_now(), seed=seed),
+                        self.version)
+
+    def _before_act(self, contexts: list[list[int]]) -> None:
+        """Hook run under the lock before each batch (parameter noise adapts here)."""
+
+    def stats(self) -> dict[str, float]:
+        p = self.params_now()
+        return {"temperature": p.temperature, "top_p": p.top_p}
+
+
+class PerturbedPolicyHolder(ScheduledPolicyHolder):
+    """A scheduled holder whose policy acts with adaptively perturbed weights.
+
+    ``load`` keeps the clean weights and installs a perturbed copy; each batch records its
+    contexts (the probe set for the KL) and every ``adapt_every`` batches the noise adapts.
+    Everything happens under the holder's lock, so no batch ever runs on half-swapped
+    weights.
+    """
+
+    def __init__(self, policy: Policy, cfg: Config, seed: int = 0):
+        super().__init__(policy, cfg)
+        e = cfg.sampler.exploration
         self.noise = AdaptiveParamNoise(e.param_noise_target_kl, e.param_noise_initial_std,
                                         e.param_noise_adapt)
         self.adapt_every = max(e.param_noise_adapt_every, 1)
@@ -135,14 +169,11 @@ class PerturbedPolicyHolder(PolicyHolder):
             self.version = version
             self._redraw()
 
-    def act(self, contexts: list[list[int]], params: SamplingParams, seed: int | None):
-        with self.lock:
-            self.recent.extend(contexts)
-            self.calls += 1
-            if self.clean is not None and self.calls % self.adapt_every == 0:
-                self.adapt_now()
-            with timing.timed("policy"):
-                return self.policy.act_batch(contexts, params, seed=seed), self.version
+    def _before_act(self, contexts: list[list[int]]) -> None:
+        self.recent.extend(contexts)
+        self.calls += 1
+        if self.clean is not None and self.calls % self.adapt_every == 0:
+            self.adapt_now()
 
     def measure_kl(self, contexts: list[list[int]] | None = None) -> float:
         """KL(clean || perturbed) of next-token distributions on ``contexts`` (default:
@@ -167,24 +198,21 @@ class PerturbedPolicyHolder(PolicyHolder):
         self.policy.load_state_dict(self.perturbed)
 
     def stats(self) -> dict[str, float]:
-        return {"param_noise_std": self.noise.std, "param_noise_kl": self.last_kl,
-                "param_noise_target_kl": self.noise.target,
+        return {**super().stats(), "param_noise_std": self.noise.std,
+                "param_noise_kl": self.last_kl, "param_noise_target_kl": self.noise.target,
                 "param_noise_adaptations": float(self.adaptations)}
 
 
-def make_holder(cfg: Config, policy: Policy) -> PolicyHolder:
-    """The sampler's policy holder: perturbed when parameter-space noise is configured."""
-    e = cfg.sampler.exploration
-    if e.param_noise_target_kl > 0:
-        return PerturbedPolicyHolder(policy, e, seed=cfg.run.seed)
-    return PolicyHolder(policy)
+def make_holder(cfg: Config, policy: Policy) -> ScheduledPolicyHolder:
+    """The sampler's policy holder: scheduled, and perturbed when parameter-space noise is
+    configured."""
+    if cfg.sampler.exploration.param_noise_target_kl > 0:
+        return PerturbedPolicyHolder(policy, cfg, seed=cfg.run.seed)
+    return ScheduledPolicyHolder(policy, cfg)
 
 
-def exploration_stats(holder: PolicyHolder, params: SamplingParams | None) -> dict[str, float]:
+def exploration_stats(holder: PolicyHolder) -> dict[str, float]:
     """Heartbeat numbers: what the sampler is exploring with right now."""
-    out: dict[str, float] = {}
-    if params is not None:
-        out.update({"temperature": params.temperature, "top_p": params.top_p})
-    if isinstance(holder, PerturbedPolicyHolder):
-        out.update({k: v for k, v in holder.stats().items() if math.isfinite(v)})
-    return out
+    if not isinstance(holder, ScheduledPolicyHolder):
+        return {}
+    return {k: v for k, v in holder.stats().items() if math.isfinite(v)}

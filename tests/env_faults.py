@@ -28,6 +28,6 @@ class Misbehaving(Env):
             while time.monotonic() < deadline:
                 pass
         if self.mode == "hang":
-            time.sleep(3600)
+            time.sleep(3600)  # noqa: ASYNC251 - a hung tool that blocks its whole process
         await asyncio.sleep(0)
         return StepResult(f"ok {action}", 1.0, False, False, False, 0.0)

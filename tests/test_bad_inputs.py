@@ -24,6 +24,7 @@ import msgspec
 import numpy as np
 import pytest
 import torch
+from test_loop_e2e import TINY
 
 from actors.echo import EchoActor
 from actors.learner import Buffered, Learner, LearnerCore
@@ -37,10 +38,14 @@ from gyre_async.storage.segments import SegmentStore
 from schemas import decode, encode, event_id
 from schemas.config import EchoConfig
 from schemas.events import PolicyVersion, Scored, SegmentDropped, TrajectoryStep
-from schemas.topics import DEAD_LETTER, POLICY_VERSION, PROBE_IN, PROBE_OUT, SCORED, TELEMETRY
-
-from test_loop_e2e import TINY
-
+from schemas.topics import (
+    DEAD_LETTER,
+    POLICY_VERSION,
+    PROBE_IN,
+    PROBE_OUT,
+    SCORED,
+    TELEMETRY,
+)
 
 # -- unknown event type ----------------------------------------------------------------------
 

@@ -3,9 +3,11 @@
 noida-db keeps its log and committed offsets on disk across a SIGTERM restart (Tansu is
 memory-only), so it is the broker restarted here: a broker of this test's own (the session
 brokers are shared with other tests), stopped and started again on the same port and data
-directory while the four core roles run as separate processes. Each role must ride out the
-outage in-process (no role may exit), training must go on after the restart, and the event
-log and stores must pass the same invariants as an undisturbed run.
+directory while the four core roles run as separate processes (once the initial policy
+version is out and trajectory steps are flowing). Each role must ride out the outage
+in-process (no role may exit), training must go on after the restart (a policy update is
+published), and the event log and stores must pass the same invariants as an undisturbed
+run. This is also the test of one process per role on Kafka.
 """
 
 from __future__ import annotations
@@ -24,32 +26,39 @@ from gyre_async.bus.reading import read_topics
 from gyre_async.invariants import check_run, read_run
 from schemas import decode
 from schemas.events import PolicyVersion
-from schemas.topics import POLICY_VERSION
+from schemas.topics import POLICY_VERSION, TRAJECTORY_STEP
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "ops" / "configs" / "tiny.toml"
 ROLES = ("learner", "segmenter", "arbiter", "sampler")
 
 
-async def _versions(url: str, run_id: str) -> int:
+async def _progress(url: str, run_id: str) -> tuple[int, int]:
+    """(policy versions of the run, trajectory steps on the bus)."""
     async with open_bus(url) as bus:
-        if POLICY_VERSION not in {t.name for t in await bus.topics()}:
-            return 0
+        infos = {t.name: t for t in await bus.topics()}
+        steps = sum(infos[TRAJECTORY_STEP].end_offsets.values()) if TRAJECTORY_STEP in infos else 0
+        if POLICY_VERSION not in infos:
+            return 0, steps
         events = [decode(POLICY_VERSION, r.value) for r in await read_topics(bus, [POLICY_VERSION])]
-    return len({e.version for e in events if isinstance(e, PolicyVersion) and e.run_id == run_id})
+    versions = {e.version for e in events if isinstance(e, PolicyVersion) and e.run_id == run_id}
+    return len(versions), steps
 
 
-def _wait_versions(url: str, run_id: str, n: int, timeout: float, procs, log: Path) -> int:
+def _wait(url: str, run_id: str, versions: int, steps: int, timeout: float, procs,
+          log: Path) -> int:
+    """Wait for >= ``versions`` policy versions and >= ``steps`` trajectory steps."""
     deadline = time.monotonic() + timeout
-    seen = 0
+    seen = (0, 0)
     while time.monotonic() < deadline:
         for role, p in zip(ROLES, procs):
             assert p.poll() is None, f"{role} exited:\n{log.read_text()[-4000:]}"
-        seen = asyncio.run(_versions(url, run_id))
-        if seen >= n:
-            return seen
+        seen = asyncio.run(_progress(url, run_id))
+        if seen[0] >= versions and seen[1] >= steps:
+            return seen[0]
         time.sleep(1)
-    raise AssertionError(f"only {seen} of {n} policy versions:\n{log.read_text()[-4000:]}")
+    raise AssertionError(f"(versions, steps) {seen}, wanted ({versions}, {steps}):\n"
+                         f"{log.read_text()[-4000:]}")
 
 
 @pytest.mark.kafka
@@ -84,17 +93,18 @@ def _run_with_restart(broker, port, data, cfg, url, run_id, run_dir, log_path):
     (and the restarted one) only through the caller's ``finally``: it is swapped in place."""
     from brokers import start_broker
 
-    log = open(log_path, "w")
-    procs = [subprocess.Popen([sys.executable, "-m", "gyre_async.cli", "actor", role,
-                               "--config", str(cfg), "--bus", url],
-                              cwd=ROOT, stdout=log, stderr=log) for role in ROLES]
+    with open(log_path, "w") as log:  # the children keep their own descriptors
+        procs = [subprocess.Popen([sys.executable, "-m", "gyre_async.cli", "actor", role,
+                                   "--config", str(cfg), "--bus", url],
+                                  cwd=ROOT, stdout=log, stderr=log) for role in ROLES]
     try:
-        before = _wait_versions(url, run_id, 2, 180, procs, log_path)
+        # mid-run: the initial version is out and steps are flowing through the loop
+        before = _wait(url, run_id, 1, 32, 300, procs, log_path)
         broker.stop()  # SIGTERM: noida flushes its log and offsets to the data directory
         time.sleep(3)  # the actors see connection errors meanwhile
         restarted = start_broker("noida", port=port, data_dir=str(data))
         broker.pid, broker._popen = restarted.pid, restarted._popen
-        after = _wait_versions(url, run_id, before + 1, 240, procs, log_path)
+        after = _wait(url, run_id, max(before + 1, 2), 0, 300, procs, log_path)
     finally:
         for p in procs:
             p.send_signal(signal.SIGTERM)

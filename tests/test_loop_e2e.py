@@ -3,14 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import msgspec
-import pytest
 
 from gyre_async.bus import open_bus
 from gyre_async.bus.reading import read_topics
@@ -59,61 +54,9 @@ def test_gyre_run_small_config_invariants(tmp_path):
     assert counts["trained"] > 0
 
 
-def _spawn(role: str, cfg: Path, url: str, log) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "gyre_async.cli", "actor", role,
-                             "--config", str(cfg), "--bus", url],
-                            cwd=ROOT, stdout=log, stderr=log)
-
-
-def run_separate_processes(tmp_path: Path, url: str, min_versions: int, timeout: float,
-                           run_id: str = "tiny"):
-    run_dir = tmp_path / "run"
-    cfg_path = tmp_path / "tiny.toml"
-    text = TINY.read_text().replace('run_dir = "runs/tiny"', f'run_dir = "{run_dir}"')
-    text = text.replace('run_id = "tiny"', f'run_id = "{run_id}"')
-    cfg_path.write_text(text.replace("max_versions = 4", "max_versions = 0"))
-    log = open(tmp_path / "actors.log", "w")
-    procs = [_spawn(role, cfg_path, url, log) for role in
-             ("learner", "segmenter", "arbiter", "sampler")]
-    versions = 0
-    try:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and versions < min_versions:
-            time.sleep(2)
-            for p in procs:
-                assert p.poll() is None, (tmp_path / "actors.log").read_text()[-3000:]
-            versions = asyncio.run(_count_versions(url))
-    finally:
-        for p in procs:
-            p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-    assert versions >= min_versions, (tmp_path / "actors.log").read_text()[-3000:]
-    return run_dir
-
-
-async def _count_versions(url: str) -> int:
-    async with open_bus(url) as bus:
-        infos = {t.name: t for t in await bus.topics()}
-        info = infos.get(POLICY_VERSION)
-        return sum(info.end_offsets.values()) if info else 0
-
-
-# One process per role on the embedded bus: tests/test_chaos.py runs it, with every role
-# SIGKILLed once and restarted, and checks the same invariants (gyre_async.invariants).
-
-
-@pytest.mark.kafka
-def test_separate_processes_kafka(tmp_path, noida, unique):
-    url = f"kafka://{noida}"
-    run_dir = run_separate_processes(tmp_path, url, min_versions=3, timeout=240,
-                                     run_id=f"tiny-{unique}")
-    counts = run_invariants(url, run_dir, max_staleness=2, run_id=f"tiny-{unique}",
-                            exactly_once=False)
-    assert counts["trained"] > 0
+# One process per role: on the embedded bus tests/test_chaos.py runs the loop so, with every
+# role SIGKILLed once and restarted; on Kafka (noida-db) tests/test_broker_restart.py runs
+# it, with the broker restarted mid-run. Both check the invariants of gyre_async.invariants.
 
 
 def test_sync_mode_trains_on_current_version_only(tmp_path):

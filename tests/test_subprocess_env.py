@@ -8,6 +8,7 @@ which limit was hit and how to raise it.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from pathlib import Path
@@ -55,9 +56,9 @@ async def test_wrapped_workshop_answers_like_the_workshop():
 async def test_memory_hog_is_stopped_and_reported():
     env = make_env("subprocess", inner="env_faults:Misbehaving", mode="memory",
                    memory_mb=256, cpu_s=30)
-    assert isinstance(await guarded_reset(env, "t", 0, 30), str)
+    assert isinstance(await guarded_reset(env, "t", 0, 120), str)
     pid = env._proc.pid
-    failure = await guarded_step(env, "go", 60)
+    failure = await guarded_step(env, "go", 120)
     assert isinstance(failure, EnvFailure) and failure.kind == "exception"
     assert "out of memory" in failure.message and "memory_mb" in failure.message
     assert not alive(pid)
@@ -65,10 +66,10 @@ async def test_memory_hog_is_stopped_and_reported():
 
 async def test_runaway_cpu_is_killed_by_the_cpu_limit():
     env = make_env("subprocess", inner="env_faults:Misbehaving", mode="cpu", cpu_s=1)
-    await guarded_reset(env, "t", 0, 30)
+    assert isinstance(await guarded_reset(env, "t", 0, 120), str)
     pid = env._proc.pid
     started = time.monotonic()
-    failure = await guarded_step(env, "go", 60)  # the wall-clock timeout is not what stops it
+    failure = await guarded_step(env, "go", 120)  # the wall-clock timeout is not what stops it
     assert isinstance(failure, EnvFailure) and failure.kind == "exception"
     assert "SIGXCPU" in failure.message and "cpu_s" in failure.message, failure.message
     assert time.monotonic() - started < 300 and not alive(pid)  # CPU seconds, not wall
@@ -76,14 +77,14 @@ async def test_runaway_cpu_is_killed_by_the_cpu_limit():
 
 async def test_hung_call_times_out_and_the_child_is_killed():
     env = make_env("subprocess", inner="env_faults:Misbehaving", mode="hang", cpu_s=30)
-    await guarded_reset(env, "t", 0, 30)
+    assert isinstance(await guarded_reset(env, "t", 0, 120), str)
     pid = env._proc.pid
     failure = await guarded_step(env, "go", 0.5)
     assert isinstance(failure, EnvFailure) and failure.kind == "timeout"
     deadline = time.monotonic() + 5
     while alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
+        await asyncio.sleep(0.05)
     assert not alive(pid)
     # the next episode gets a fresh child
-    assert isinstance(await guarded_reset(env, "t", 1, 30), str)
+    assert isinstance(await guarded_reset(env, "t", 1, 120), str)
     await env.close()

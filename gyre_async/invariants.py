@@ -41,7 +41,13 @@ from schemas.events import (
     SegmentDropped,
     TrajectoryStep,
 )
-from schemas.topics import POLICY_VERSION, SCORED, SEGMENT_CLOSED, TELEMETRY, TRAJECTORY_STEP
+from schemas.topics import (
+    POLICY_VERSION,
+    SCORED,
+    SEGMENT_CLOSED,
+    TELEMETRY,
+    TRAJECTORY_STEP,
+)
 
 from .bus import Bus
 from .bus.reading import read_topics

@@ -299,9 +299,11 @@ class EliteSection(Strict):
     first within a kind."""
     mix_share: float = 0.1
     """Elite steps added to each batch, as a share of the batch's fresh steps."""
-    jump_threshold: float = 0.25
+    jump_threshold: float = 0.1
     """A segment is a turning point when its critic value changes by at least this much
-    between two consecutive steps."""
+    between two consecutive steps (default: about one milestone's reward). A critic that
+    has not learned yet barely moves (jumps of ~0.01 on the quickstart), so early pools
+    hold successes only."""
     store: str = ""
     """Elite store URL (default: <run_dir>/elite.zarr); the learner is its only writer."""
 

@@ -96,7 +96,7 @@ def evictions(entries: Sequence[EliteEntry], capacity: int) -> list[EliteEntry]:
 class ElitePool:
     """The pool over its own :class:`SegmentStore`; one writer (the learner)."""
 
-    def __init__(self, url: str, capacity: int, jump_threshold: float = 0.25,
+    def __init__(self, url: str, capacity: int, jump_threshold: float = 0.1,
                  mix_share: float = 0.1, seed: int = 0, durable: bool = False):
         if capacity < 1:
             raise ValueError("elite.capacity must be >= 1 to keep a pool (0 turns it off)")

@@ -12,8 +12,9 @@ writer (the segmenter), and must never remove a segment someone still needs. The
   learner, in the batch being trained. Elite segments are copied into the elite pool's own
   store when they are chosen (gyre_async.experience.elite), so their originals are
   ordinary segments here.
-- Before each write, if the store's disk use plus the incoming batch (its raw, uncompressed
-  size: an over-estimate) would exceed ``segmenter.retain_bytes``, **every consumed
+- Before each write, if the store's disk use (:func:`disk_use`: every file and directory,
+  as ``du -sb`` counts them) plus the incoming batch (its raw, uncompressed size: an
+  over-estimate) would exceed ``segmenter.retain_bytes``, **every consumed
   segment still in the store is deleted** (one index page; the store then removes the
   chunks no live segment uses) and the index pages are folded into one snapshot. If the
   segments still needed alone exceed the bound, nothing needed is touched: the shortfall is
@@ -32,12 +33,14 @@ can only audit what retention kept (leave ``retain_bytes = 0`` for a fully audit
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
 import structlog
 
+from gyre_async.storage.urls import normalize_store_url
 from schemas import DecodeError, decode
 from schemas.events import PolicyVersion, SegmentDropped
 from schemas.topics import POLICY_VERSION, TELEMETRY
@@ -88,8 +91,55 @@ class RetentionStats:
     over_bound: int = 0
 
 
+def disk_use(store) -> int:
+    """What the store occupies: for a local store, like ``du -sb`` (every file and directory,
+    so directory entries count too); for a remote one, the bytes of its objects."""
+    _, root = normalize_store_url(store.url)
+    if root is None:
+        return store.disk_bytes()
+    total = 0
+    for parent, dirs, files in os.walk(root):
+        for name in [*dirs, *files]:
+            try:
+                total += os.lstat(os.path.join(parent, name)).st_size
+            except FileNotFoundError:  # removed meanwhile (a chunk being replaced)
+                pass
+        total += 0 if parent != str(root) else os.lstat(root).st_size
+    return total
+
+
+#: Room for the directories one write may create per array (a new row-chunk folder or two).
+DIRECTORY_ALLOWANCE = 2 * 4096
+
+
 def incoming_bytes(items: Iterable[tuple[str, Mapping[str, np.ndarray]]]) -> int:
-    return sum(int(np.asarray(a).nbytes) for _, arrays in items for a in arrays.values())
+    """An upper bound on what writing ``items`` adds: raw bytes plus new directories."""
+    items = list(items)
+    names = {name for _, arrays in items for name in arrays}
+    return (sum(int(np.asarray(a).nbytes) for _, arrays in items for a in arrays.values())
+            + DIRECTORY_ALLOWANCE * len(names))
+
+
+def prune_empty_dirs(store) -> int:
+    """Remove the empty folders deleted chunks leave behind (local stores); returns how many.
+
+    Zarr keeps each row-chunk of a 2-d array in its own folder (``c/<row>/<col>``); deleting
+    the chunk leaves the folder, 4 KiB of disk each, which would add up over a long run.
+    Only the writer calls this, between its own writes, and Zarr recreates folders it needs.
+    """
+    _, root = normalize_store_url(store.url)
+    arrays = None if root is None else root / "arrays"
+    if arrays is None or not arrays.is_dir():
+        return 0
+    removed = 0
+    for parent, _dirs, _files in os.walk(arrays, topdown=False):  # children first
+        if parent != str(arrays) and not os.listdir(parent):
+            try:
+                os.rmdir(parent)
+                removed += 1
+            except OSError:  # not empty after all (a file appeared): keep it
+                pass
+    return removed
 
 
 class Retention:
@@ -132,7 +182,7 @@ class Retention:
 
     def make_room(self, incoming: int) -> None:
         """Delete consumed segments if writing ``incoming`` bytes would break the bound."""
-        if not self.enabled or self.store.disk_bytes() + incoming <= self.bound:
+        if not self.enabled or disk_use(self.store) + incoming <= self.bound:
             return
         self.stats.passes += 1
         live = set(self.store.list_segments())
@@ -140,8 +190,9 @@ class Retention:
         if doomed:
             self.stats.deleted += self.store.delete(doomed)
             self.store.compact_index()
+            prune_empty_dirs(self.store)
         self.consumed.forget(self.consumed.deletable())  # deleted now, or gone before
-        used = self.store.disk_bytes()
+        used = disk_use(self.store)
         if used + incoming > self.bound:
             self.stats.over_bound += 1
             log.warning("retention cannot keep the segment store under its bound: the "

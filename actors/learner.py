@@ -35,6 +35,7 @@ from gyre_async import timing
 from gyre_async.actor import Actor, Emit
 from gyre_async.credit_log import restore_outcome_book
 from gyre_async.experience.elite import offer_trained, open_elite_pool, sample_for
+from gyre_async.redelivery import recently_trained
 from gyre_async.runlog import current_policy_version
 from gyre_async.policy.factory import build_policy, build_tokenizer, load_weights, save_weights
 from gyre_async.rl.advantages import segment_gae
@@ -298,6 +299,7 @@ class Learner(Actor):
         self.dropped = 0
         self.learning_rate = cfg.learner.learning_rate
         self.done_trajectories: set[str] = set()
+        self.trained_before: set[str] = set()  # see gyre_async.redelivery
         self.train_seconds = 0.0
         self.last_metrics: dict[str, float] = {}
         self._fusion_weights: list[float] = []
@@ -329,6 +331,7 @@ class Learner(Actor):
             self.core.outcomes = await restore_outcome_book(self.runner.bus,
                                                             self.cfg.sampler.group_size)
             self.rollbacks_applied = int(latest.metrics.get("keeper/rollbacks_applied", 0))
+            self.trained_before = await recently_trained(self.runner.bus, self.cfg.run.run_id)
         else:
             await self.runner.emit([await self._publish("init", {}, [])])
 
@@ -358,6 +361,8 @@ class Learner(Actor):
         return [*dropped, await self._publish("rollback", stats, [])]
 
     async def _on_scored(self, scored: Scored, record):
+        if scored.segment_id in self.trained_before:
+            return []  # trained before a restart, redelivered (at-least-once): not twice
         L = self.cfg.learner
         self.core.outcomes.record(scored.trajectory_id, scored.segment_id, scored.total)
         if L.max_versions and self.version >= L.max_versions:

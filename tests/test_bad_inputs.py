@@ -235,3 +235,35 @@ async def test_policy_version_with_wrong_hash_is_dead_lettered_by_the_sampler(tm
     assert len(dead) == 1 and "does not match expected" in dead[0].reason, dead
     assert "0" * 64 in dead[0].reason and "fix:" in dead[0].reason
     assert sampler.holder.version == -1  # it never acted with the unverified weights
+
+
+# -- redelivery after a lost commit (Kafka's publish-then-commit window) -----------------------
+
+async def test_restarted_learner_does_not_train_redelivered_segments_again(tmp_path):
+    """A learner that published version 1 and died before committing its inputs gets them
+    again; it must not put them in a second batch. The lost commit is made real by
+    deleting the group's committed offsets from the embedded log."""
+    import sqlite3
+
+    cfg = tiny_learner_config(tmp_path)
+    store = SegmentStore(str(tmp_path / "segments.zarr"))
+    first = [store_segment(store, t) for t in ("traj-a", "traj-b")]
+    url = f"sqlite:///{tmp_path}/events.db"
+    async with open_bus(url) as bus:
+        await bus.create_topics([SCORED], 1)
+        await bus.publish(SCORED, [(b"k", encode(s)) for s in first])
+        learner = Learner(cfg)
+        runner = ActorRunner(learner, bus, run_id="tiny", heartbeat_s=30, partitions=1)
+        await _run_until(runner, lambda: learner.version >= 1)
+    with sqlite3.connect(tmp_path / "events.db") as db:
+        assert db.execute("DELETE FROM commits WHERE grp = 'tiny.learner'").rowcount > 0
+    later = [store_segment(store, t) for t in ("traj-c", "traj-d")]
+    async with open_bus(url) as bus:
+        await bus.publish(SCORED, [(b"k", encode(s)) for s in later])
+        learner = Learner(cfg)
+        runner = ActorRunner(learner, bus, run_id="tiny", heartbeat_s=30, partitions=1)
+        await _run_until(runner, lambda: learner.version >= 2, timeout=60)
+        versions = [decode(POLICY_VERSION, r.value) for r in await read_topics(bus, [POLICY_VERSION])]
+    assert [v.version for v in versions] == [0, 1, 2]
+    assert versions[1].trained_segments == [s.segment_id for s in first]
+    assert versions[2].trained_segments == [s.segment_id for s in later]

@@ -272,6 +272,17 @@ async def test_a_trajectory_caught_farming_stays_caught_across_a_restart(tmp_pat
             await task
         scored = {e.segment_id: e for e in (decode(SCORED, r.value)
                                             for r in await read_topics(bus, [SCORED]))}
+        # every input redelivered (a fresh consumer group): all already in our log, so
+        # nothing is scored again (with the trajectory state gone, milestones would re-pay)
+        runner = ActorRunner(Arbiter(config), bus, run_id="r", heartbeat_s=30, partitions=1,
+                             group="redelivery")
+        task = asyncio.create_task(runner.run())
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and runner.processed < 4:
+            await asyncio.sleep(0.1)
+        runner.stop()
+        await task
+        assert runner.processed == 4 and len(await read_topics(bus, [SCORED])) == 4
     first = scored["f-0"]
     assert first.components["guard:farming"] == 1.0
     # vetoed: feedback withheld everywhere, the no-progress pay charged back

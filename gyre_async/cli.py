@@ -100,9 +100,12 @@ def _parser() -> argparse.ArgumentParser:
     from .monitor import add_parser as add_monitor
     from .report import add_parser as add_report
 
+    from .offline_cli import add_parser as add_offline
+
     add_launch(sub)
     add_monitor(sub)
     add_report(sub)
+    add_offline(sub)
 
     top = sub.add_parser("topics", help="topics, end offsets and lag per consumer group")
     top.add_argument("--bus", help="bus URL")
@@ -172,6 +175,10 @@ def _dispatch(args) -> int:
     if args.command == "inspect":
         cfg = _config(args)
         return run_main(lambda: _inspect(bus_url(cfg, args.bus), args))
+    if args.command in ("warmstart", "export", "evaluate"):
+        from .offline_cli import run as run_offline
+
+        return run_offline(args, _config(args))
     if args.command == "archive":
         return run_main(lambda: _archive(args))
     if args.command == "topics":

@@ -315,6 +315,32 @@ class EvaluatorConfig(Strict):
     """Validation episodes (seeds from task.eval_seed_start)."""
     greedy: bool = True
     """Greedy decoding (else sampled at temperature 1)."""
+    seeds: list[int] = []
+    """The validation set's seeds (game / variation indices of the validation split).
+    Empty: ``episodes`` seeds from ``task.eval_seed_start``."""
+    tasks: list[str] = []
+    """Task ids handed to the environment's reset (each played on every seed), e.g.
+    ``scienceworld:grow-fruit``. Empty: ``<env>:<seed>``."""
+    env_config: dict[str, float | int | str | bool] = {}
+    """Overrides of ``task.env_config`` for validation, e.g. ``{split = "dev"}``."""
+    on_reasons: list[str] = msgspec.field(default_factory=lambda: ["warmstart"])
+    """Policy versions published for these reasons are always evaluated (rollbacks always are)."""
+
+
+class WarmstartConfig(Strict):
+    demonstrations: list[str] = []
+    """JSONL demonstration files (gold paths, walkthroughs, ``gyre export`` output). Empty:
+    the environment's own gold demonstrations on ``gold_episodes`` training seeds."""
+    gold_episodes: int = 64
+    """Training-split episodes whose gold paths are cloned when no files are given."""
+    epochs: int = 30
+    """Passes over the demonstration steps."""
+    learning_rate: float = 1e-3
+    """Adam learning rate for behaviour cloning."""
+    batch_steps: int = 64
+    """Demonstration steps per gradient step."""
+    max_seconds: float = 0.0
+    """Stop cloning after the epoch that passes this many seconds (0: no limit)."""
 
 
 class KeeperConfig(Strict):
@@ -372,3 +398,4 @@ class Config(Strict):
     echo: EchoConfig = msgspec.field(default_factory=EchoConfig)
     macros: MacroSection = msgspec.field(default_factory=MacroSection)
     elite: EliteSection = msgspec.field(default_factory=EliteSection)
+    warmstart: WarmstartConfig = msgspec.field(default_factory=WarmstartConfig)

@@ -358,6 +358,19 @@ class EvalResult(Event, tag="eval-result", frozen=True, kw_only=True):
     mean_length: float
     milestone_rates: dict[str, float] = {}
     env_steps: int = 0
+    trigger: str = ""  # schedule | final | reason:<why the version exists> | request
+    decoding: str = ""  # greedy | sampled
+    task_success_rates: dict[str, float] = {}  # per validation task id
+    validation_seeds: list[int] = []
+    validation_config: dict[str, str] = {}  # env_config overrides used for validation
+
+
+class EvalRequest(Event, tag="eval-request", frozen=True, kw_only=True):
+    """Ask the evaluator to validate a policy version now (``gyre evaluate``)."""
+
+    policy_version: int = -1  # -1: the latest published version
+    greedy: bool | None = None  # None: as configured (evaluator.greedy)
+    reason: str = ""
 
 
 class Heartbeat(Event, tag="heartbeat", frozen=True, kw_only=True):

@@ -9,6 +9,7 @@ from .events import (
     DeadLetter,
     DriftReport,
     EnvError,
+    EvalRequest,
     EvalResult,
     Heartbeat,
     CheckpointFault,
@@ -28,6 +29,7 @@ SEGMENT_CLOSED = "segment-closed"
 SCORED = "scored"
 POLICY_VERSION = "policy-version"
 EVAL = "eval"
+EVAL_REQUEST = "eval-request"
 TELEMETRY = "telemetry"
 DEAD_LETTER = "dead-letter"
 PROBE_IN = "probe-in"
@@ -41,6 +43,7 @@ TOPIC_UNIONS: dict[str, object] = {
     SCORED: Union[Scored, RewardFailed],
     POLICY_VERSION: PolicyVersion,
     EVAL: EvalResult,
+    EVAL_REQUEST: EvalRequest,
     TELEMETRY: Union[Heartbeat, SegmentDropped, CriticReset, DriftReport],
     DEAD_LETTER: DeadLetter,
     PROBE_IN: Probe,

@@ -7,6 +7,11 @@
 - :mod:`.gym_adapter`: Gymnasium environments with text observations/actions.
 - :mod:`.subprocess_env`: any of them in a child process with memory and CPU-time limits
   (``"subprocess"``).
+- :mod:`.text_games` and its adapters :mod:`.twx` (``"twx"``, TextWorldExpress),
+  :mod:`.scienceworld` (``"scienceworld"``) and :mod:`.textworld_env` (``"textworld"``):
+  offline text games with milestones read from game state, admissible-action hints or
+  constrained choice, gold demonstrations, and cached vocabularies. Their packages are
+  imported only when such an environment is built.
 """
 
 from .base import (
@@ -21,6 +26,10 @@ from .base import (
     registered_envs,
 )
 from .subprocess_env import EnvProcessError, SubprocessEnv
+from . import scienceworld as _scienceworld  # noqa: F401 - registers "scienceworld"
+from . import textworld_env as _textworld  # noqa: F401 - registers "textworld"
+from . import twx as _twx  # noqa: F401 - registers "twx"
+from .text_games import TextGameEnv, game_vocabulary, is_text_game
 from .workshop import (
     ACTION_WORDS,
     ACTIONS,
@@ -36,8 +45,10 @@ from .workshop import (
 )
 
 __all__ = [
-    "ACTIONS", "ACTION_WORDS", "Env", "EnvFailure", "EnvProcessError", "SubprocessEnv", "FARMING_ACTIONS", "ITEMS",
-    "MAX_OBSERVATION_CHARS", "RECIPES", "StepResult", "VOCAB", "WorkshopConfig", "WorkshopEnv",
-    "guarded_reset", "guarded_step", "lower_bound_steps", "make_env", "oracle_action",
+    "ACTIONS", "ACTION_WORDS", "Env", "EnvFailure", "EnvProcessError", "SubprocessEnv",
+    "FARMING_ACTIONS", "ITEMS", "MAX_OBSERVATION_CHARS", "RECIPES", "StepResult",
+    "TextGameEnv", "VOCAB", "WorkshopConfig", "WorkshopEnv", "game_vocabulary",
+    "guarded_reset", "guarded_step", "is_text_game", "lower_bound_steps", "make_env",
+    "oracle_action",
     "parse_observation", "register_env", "registered_envs",
 ]

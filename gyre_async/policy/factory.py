@@ -32,7 +32,8 @@ def build_tokenizer(cfg: Config) -> BaseTokenizer:
     if cfg.policy.backend == "tiny":
         from gyre_async.envs.macros import macro_words
 
-        return tokenizer_for_env(cfg.task.env, macro_words(cfg.macros))
+        return tokenizer_for_env(cfg.task.env, macro_words(cfg.macros),
+                                 cfg.task.env_config)
     from .hf_policy import HFTokenizer
 
     return HFTokenizer.from_pretrained(model_path(cfg))
@@ -40,14 +41,21 @@ def build_tokenizer(cfg: Config) -> BaseTokenizer:
 
 def action_token_ids(cfg: Config, tokenizer: BaseTokenizer) -> tuple[int, ...]:
     """Token ids the policy may generate (empty: any token)."""
-    if (not cfg.policy.constrain_actions or cfg.task.env != "workshop"
-            or cfg.policy.backend != "tiny"):  # subword vocabularies: any token may be used
-        return ()
+    from gyre_async.envs import game_vocabulary, is_text_game
     from gyre_async.envs.macros import macro_words
-    from gyre_async.envs.workshop import ACTION_WORDS
 
-    words = (*ACTION_WORDS, *macro_words(cfg.macros))  # macro names are actions too
-    return tuple(sorted({i for w in words for i in tokenizer.encode(w)}))
+    if not cfg.policy.constrain_actions or cfg.policy.backend != "tiny":
+        return ()  # subword vocabularies: any token may be used
+    if is_text_game(cfg.task.env):  # words seen in the game's valid and gold actions
+        words = [*game_vocabulary(cfg.task.env, cfg.task.env_config).action_words]
+    elif cfg.task.env == "workshop":
+        from gyre_async.envs.workshop import ACTION_WORDS
+
+        words = list(ACTION_WORDS)
+    else:
+        return ()
+    words += macro_words(cfg.macros)  # macro names are actions too
+    return tuple(sorted({i for w in words for i in tokenizer.encode(w)} - {tokenizer.unk_id}))
 
 
 def build_policy(cfg: Config, tokenizer: BaseTokenizer | None = None) -> Policy:

@@ -122,16 +122,23 @@ def tokenizer_from_json(text: str) -> Tokenizer:
     raise ValueError(f"unknown tokenizer kind {spec.get('kind')!r}")
 
 
-def tokenizer_for_env(env_name: str, extra_words: Sequence[str] = ()) -> Tokenizer:
+def tokenizer_for_env(env_name: str, extra_words: Sequence[str] = (),
+                      env_config: dict | None = None) -> Tokenizer:
     """The tokenizer a policy for ``env_name`` should use.
 
     ``"workshop"``: a :class:`WordTokenizer` over the workshop's ``VOCAB`` (every word of
     every observation and action, so nothing is ever ``<unk>``), then ``extra_words`` (e.g.
-    macro names; appended, so the workshop's ids do not move). Anything else (``gym:...``,
-    unknown text): the :class:`ByteTokenizer`.
+    macro names; appended, so the workshop's ids do not move). Text games (``"twx"``,
+    ``"scienceworld"``, ``"textworld"``): a :class:`WordTokenizer` over the game's cached
+    vocabulary (:func:`gyre_async.envs.game_vocabulary`, built from ``env_config``), then
+    ``extra_words``. Anything else (``gym:...``, unknown text): the :class:`ByteTokenizer`.
     """
     if env_name == "workshop":
         from gyre_async.envs.workshop import VOCAB
 
         return WordTokenizer((*VOCAB, *extra_words))
+    from gyre_async.envs import game_vocabulary, is_text_game
+
+    if is_text_game(env_name):
+        return WordTokenizer((*game_vocabulary(env_name, env_config).words, *extra_words))
     return ByteTokenizer()

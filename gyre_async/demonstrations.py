@@ -1,0 +1,147 @@
+"""Demonstrations: the offline data of warm-start (``gyre warmstart``) and export (``gyre export``).
+
+Format: JSON Lines, one episode per line (``format`` names the version)::
+
+    {"format": "gyre-demonstration/1", "env": "twx", "env_config": {"game": "twc", ...},
+     "task_id": "twx:3", "seed": 3, "source": "gold", "success": true, "score": 1.0,
+     "steps": [{"observation": "...", "action": "take dirty teal dress",
+                "milestones": ["points:1"]}, ...]}
+
+- ``observation`` is exactly what the environment adapter returned before the action (what
+  the sampler's context builder read), ``action`` the text the agent wrote, ``milestones``
+  the names of those the action reached (the context's milestone summary is rebuilt from
+  them). So :func:`training_pairs` rebuilds the very contexts the sampler would have built.
+- ``source``: ``gold`` (a simulator's gold path), ``walkthrough`` (TextWorld), or
+  ``export:<run_id>`` (a successful online trajectory, see :mod:`gyre_async.export`).
+- ``env`` / ``env_config`` / ``task_id`` / ``seed`` identify the episode, so it can be
+  replayed: the demonstration's actions, played again, give the same observations.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import msgspec
+
+from .envs import make_env
+from .envs.text_games import TextGameEnv
+from .policy.context import ContextBuilder
+from .rollout import milestone_summary
+
+FORMAT = "gyre-demonstration/1"
+
+
+class DemoStep(msgspec.Struct, kw_only=True):
+    observation: str
+    action: str
+    milestones: list[str] = []
+
+
+class Demonstration(msgspec.Struct, kw_only=True):
+    env: str
+    env_config: dict[str, Any]
+    task_id: str
+    seed: int
+    source: str
+    success: bool
+    score: float
+    steps: list[DemoStep]
+    format: str = FORMAT
+
+
+def write_demonstrations(path: str, demos: Iterable[Demonstration]) -> int:
+    """Write JSONL atomically; returns how many episodes were written."""
+    from .policy.base import write_atomic
+
+    lines = [msgspec.json.encode(d) for d in demos]
+    write_atomic(path, b"".join(line + b"\n" for line in lines))
+    return len(lines)
+
+
+def read_demonstrations(path: str) -> list[Demonstration]:
+    """Read a JSONL file; a bad line is an error naming the file, line and field."""
+    decoder = msgspec.json.Decoder(Demonstration)
+    out = []
+    with open(path, "rb") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                demo = decoder.decode(line)
+            except msgspec.ValidationError as exc:
+                raise ValueError(f"{path}:{n}: not a demonstration ({exc}); see "
+                                 "gyre_async/demonstrations.py for the format") from None
+            if demo.format != FORMAT:
+                raise ValueError(f"{path}:{n}: format {demo.format!r}, this build reads {FORMAT!r}")
+            out.append(demo)
+    return out
+
+
+def replay(env: TextGameEnv, actions: Sequence[str], task_id: str, seed: int, *,
+           env_name: str, env_config: dict[str, Any], source: str) -> Demonstration:
+    """Play ``actions`` from the start of episode ``(task_id, seed)``, recording each step."""
+    observation = env.reset_sync(task_id, seed)
+    steps: list[DemoStep] = []
+    success, score = False, 0.0
+    for action in actions:
+        result = env.step_sync(action)
+        steps.append(DemoStep(observation=observation, action=action,
+                              milestones=[m.name for m in result.milestones]))
+        observation, success, score = result.observation, result.success, result.score
+        if result.over:
+            break
+    return Demonstration(env=env_name, env_config=dict(env_config), task_id=task_id, seed=seed,
+                         source=source, success=success, score=score, steps=steps)
+
+
+def gold_demonstrations(env_name: str, env_config: dict[str, Any], seeds: Iterable[int],
+                        *, source: str = "gold") -> list[Demonstration]:
+    """Record the environment's own solutions (gold paths, walkthroughs) for ``seeds``.
+
+    Each is replayed through the adapter, so observations are the adapter's and
+    ``success`` says whether the gold sequence really solved the episode (kept either way;
+    :func:`training_pairs` can skip failures).
+    """
+    env = make_env(env_name, **env_config)
+    if not isinstance(env, TextGameEnv):
+        raise ValueError(f"environment {env_name!r} has no demonstrations (text games do: "
+                         "twx, scienceworld, textworld)")
+    try:
+        out = []
+        for seed in seeds:
+            task_id = f"{env_name}:{seed}"
+            env.reset_sync(task_id, seed)
+            out.append(replay(env, env.demonstration(), task_id, seed, env_name=env_name,
+                              env_config=env_config, source=source))
+        return out
+    finally:
+        env._release()
+
+
+def training_pairs(demos: Iterable[Demonstration], builder: ContextBuilder,
+                   successful_only: bool = True) -> list[tuple[list[int], str]]:
+    """(context tokens, action text) per step, contexts built as the sampler builds them
+    (:func:`gyre_async.rollout.run_episode`: recent turns + milestone summary + observation)."""
+    pairs: list[tuple[list[int], str]] = []
+    h = builder.history_turns
+    for demo in demos:
+        if successful_only and not demo.success:
+            continue
+        history: deque[tuple[str, str]] = deque(maxlen=max(h, 1))
+        reached: list[str] = []
+        for step in demo.steps:
+            turns = list(history)[-h:] if h else []
+            pairs.append((builder.build(step.observation, turns, milestone_summary(reached)),
+                          step.action))
+            history.append((step.observation, step.action))
+            reached.extend(step.milestones)
+    return pairs
+
+
+def default_path(name: str) -> str:
+    from .envs.cache import cache_dir
+
+    return os.path.join(cache_dir("demonstrations"), name)

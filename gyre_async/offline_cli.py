@@ -1,0 +1,91 @@
+"""CLI of the offline side: ``gyre warmstart``, ``gyre export``, ``gyre evaluate``."""
+
+from __future__ import annotations
+
+import json
+
+COMMANDS = ("warmstart", "export", "evaluate")
+
+
+def add_parser(sub) -> None:
+    ws = sub.add_parser(
+        "warmstart", help="behaviour cloning from demonstrations -> policy version 0",
+        description="Clone demonstrations (warmstart.demonstrations JSONL files, or the "
+        "environment's gold paths) into the run's policy and publish it as policy-version 0 "
+        "(reason warmstart) on the run's bus; a later `gyre run` with the same config and "
+        "run directory starts from it.")
+    ws.add_argument("config", help="TOML config (its [warmstart] section)")
+    ws.add_argument("--run-dir", help="override run.run_dir")
+    ws.add_argument("--bus", help="bus URL (default: the run's embedded log)")
+    ws.add_argument("--demonstrations", action="append", metavar="JSONL",
+                    help="demonstration file (repeatable; overrides warmstart.demonstrations)")
+
+    ex = sub.add_parser(
+        "export", help="write a run's successful trajectories as demonstrations (JSONL)",
+        description="Read the run's trajectory-step events, keep complete successful "
+        "trajectories, replay each in the environment to recover and verify observations, "
+        "and write them in the demonstration format (gyre_async/demonstrations.py).")
+    ex.add_argument("config", help="the run's TOML config")
+    ex.add_argument("--out", required=True, help="output JSONL file")
+    ex.add_argument("--run-dir", help="override run.run_dir")
+    ex.add_argument("--bus", help="bus URL (default: the run's embedded log)")
+    ex.add_argument("--min-score", type=float,
+                    help="also keep finished trajectories with at least this score")
+    ex.add_argument("--limit", type=int, default=0, help="at most N trajectories (0: all)")
+
+    ev = sub.add_parser(
+        "evaluate", help="ask the run's evaluator to validate a policy version now",
+        description="Publish an eval-request event; the evaluator answers with an eval event.")
+    ev.add_argument("config", help="the run's TOML config")
+    ev.add_argument("--version", type=int, default=-1, help="policy version (-1: latest)")
+    decoding = ev.add_mutually_exclusive_group()
+    decoding.add_argument("--greedy", dest="greedy", action="store_true", default=None)
+    decoding.add_argument("--sampled", dest="greedy", action="store_false")
+    ev.add_argument("--run-dir", help="override run.run_dir")
+    ev.add_argument("--bus", help="bus URL (default: the run's embedded log)")
+
+
+def run(args, cfg) -> int:
+    from .runtime import run_main
+
+    if args.command == "warmstart":
+        import msgspec
+
+        from .warmstart import warmstart
+
+        if args.demonstrations:
+            cfg = msgspec.structs.replace(cfg, warmstart=msgspec.structs.replace(
+                cfg.warmstart, demonstrations=list(args.demonstrations)))
+        summary = run_main(lambda: warmstart(cfg, args.bus))
+        print(json.dumps(summary, indent=2))
+        return 0
+    if args.command == "export":
+        from .export import export_run
+
+        summary = run_main(lambda: export_run(cfg, args.out, bus_override=args.bus,
+                                              min_score=args.min_score, limit=args.limit))
+        print(json.dumps(summary, indent=2))
+        return 0 if summary["written"] or not summary["trajectories"] else 1
+    if args.command == "evaluate":
+        return run_main(lambda: _request(cfg, args))
+    raise AssertionError(args.command)
+
+
+async def _request(cfg, args) -> int:
+    import time
+
+    from schemas import encode, event_id
+    from schemas.events import EvalRequest
+    from schemas.topics import ALL_TOPICS, EVAL_REQUEST
+
+    from .runtime import open_run_bus
+
+    event = EvalRequest(event_id=event_id("eval-request", cfg.run.run_id, args.version,
+                                          args.greedy, time.time()),
+                        run_id=cfg.run.run_id, producer="cli", key="eval",
+                        policy_version=args.version, greedy=args.greedy, reason="cli")
+    async with open_run_bus(cfg, args.bus) as bus:
+        await bus.create_topics(ALL_TOPICS, cfg.bus.partitions)
+        await bus.publish(EVAL_REQUEST, [(event.key.encode(), encode(event))])
+    print(json.dumps({"requested": args.version, "event_id": event.event_id}))
+    return 0

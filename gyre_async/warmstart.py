@@ -1,0 +1,162 @@
+"""Offline warm-start: behaviour cloning from demonstrations, published as policy version 0.
+
+``gyre warmstart CONFIG`` builds the run's policy exactly as every role builds it
+(:func:`gyre_async.policy.factory.build_policy`), rebuilds the contexts the sampler would
+have seen at each demonstration step (:func:`gyre_async.demonstrations.training_pairs`) and
+maximises the log-probability of the demonstrated action tokens (and of stopping after
+them) through the policy's own :meth:`~gyre_async.policy.base.Policy.evaluate`, so any
+backend that can evaluate log-probs can be warm-started. The result is saved to the run's
+checkpoint store and published on the run's bus as ``policy-version`` 0 with reason
+``warmstart``: the learner, the sampler and the evaluator of a later ``gyre run`` on the
+same run directory start from it (they load the latest published version on start).
+
+Demonstrations come from ``warmstart.demonstrations`` (JSONL files: gold sequences,
+walkthroughs or ``gyre export`` output) or, when none are given, from the environment's
+own gold paths on ``warmstart.gold_episodes`` training seeds.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from typing import Any
+
+import torch
+
+from schemas import event_id
+from schemas.config import Config
+from schemas.events import PolicyVersion
+from schemas.topics import ALL_TOPICS, POLICY_VERSION
+
+from .demonstrations import Demonstration, gold_demonstrations, read_demonstrations, training_pairs
+from .errors import ConfigError
+from .policy.base import Policy
+from .policy.context import ContextBuilder
+from .policy.factory import build_policy, build_tokenizer, save_weights
+
+
+def load_demonstrations(cfg: Config) -> list[Demonstration]:
+    W = cfg.warmstart
+    if W.demonstrations:
+        demos: list[Demonstration] = []
+        for path in W.demonstrations:
+            demos += read_demonstrations(path)
+        return demos
+    start = cfg.task.train_seed_start
+    return gold_demonstrations(cfg.task.env, dict(cfg.task.env_config),
+                               range(start, start + W.gold_episodes))
+
+
+def action_tokens(policy: Policy, tokenizer, text: str, max_tokens: int) -> list[int] | None:
+    """The tokens the policy must write for ``text`` (then ``<eos>``), or None if it cannot
+    (a word it may not generate); cut at ``max_tokens`` like generation is."""
+    tokens = [*tokenizer.encode(text), tokenizer.eos_id][:max_tokens]
+    allowed = getattr(policy, "allowed", None)
+    if allowed is not None and not all(bool(allowed[t]) for t in tokens):
+        return None
+    return tokens
+
+
+def behaviour_clone(policy: Policy, examples: list[tuple[list[int], list[int]]], *,
+                    epochs: int, learning_rate: float, batch_size: int, max_seconds: float = 0.0,
+                    seed: int = 0, max_grad_norm: float = 1.0) -> dict[str, float]:
+    """Minimise the mean negative log-likelihood of the action tokens given the contexts."""
+    params = [p for p in policy.parameters() if p.requires_grad]
+    optimizer = torch.optim.Adam(params, lr=learning_rate)
+    rng = random.Random(seed)
+    order = list(range(len(examples)))
+    started = time.monotonic()
+    nll_epoch = float("nan")
+    done_epochs = 0
+    for _ in range(epochs):
+        rng.shuffle(order)
+        total, tokens = 0.0, 0.0
+        for start in range(0, len(order), batch_size):
+            batch = [examples[i] for i in order[start:start + batch_size]]
+            out = policy.evaluate([c for c, _ in batch], [a for _, a in batch])
+            n_tokens = out.mask.sum().clamp(min=1)
+            loss = -(out.logprobs * out.mask).sum() / n_tokens
+            optimizer.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+            optimizer.step()
+            total += float(loss.detach()) * float(n_tokens)
+            tokens += float(n_tokens)
+        nll_epoch = total / max(tokens, 1.0)
+        done_epochs += 1
+        if max_seconds and time.monotonic() - started > max_seconds:
+            break
+    return {"bc/nll": nll_epoch, "bc/epochs": float(done_epochs),
+            "bc/examples": float(len(examples)), "bc/seconds": time.monotonic() - started}
+
+
+def warm_policy(cfg: Config, demos: list[Demonstration] | None = None
+                ) -> tuple[Policy, dict[str, float]]:
+    """The run's policy after behaviour cloning on ``demos`` (default: from config)."""
+    demos = load_demonstrations(cfg) if demos is None else demos
+    tokenizer = build_tokenizer(cfg)
+    policy = build_policy(cfg, tokenizer)
+    builder = ContextBuilder(tokenizer, cfg.policy.context_tokens, cfg.policy.history_turns)
+    examples, refused = [], 0
+    for context, text in training_pairs(demos, builder):
+        tokens = action_tokens(policy, tokenizer, text, cfg.policy.max_action_tokens)
+        if tokens is None:
+            refused += 1
+        else:
+            examples.append((context, tokens))
+    if not examples:
+        raise ConfigError(f"warm-start: none of {len(demos)} demonstrations gave a usable step "
+                          f"({refused} steps use words the policy may not generate); check "
+                          "warmstart.demonstrations and task.env_config")
+    W = cfg.warmstart
+    stats = behaviour_clone(policy, examples, epochs=W.epochs, learning_rate=W.learning_rate,
+                            batch_size=W.batch_steps, max_seconds=W.max_seconds,
+                            seed=cfg.run.seed)
+    stats.update({"bc/demonstrations": float(len(demos)),
+                  "bc/successful_demonstrations": float(sum(d.success for d in demos)),
+                  "bc/refused_steps": float(refused)})
+    if not math.isfinite(stats["bc/nll"]):
+        raise RuntimeError(f"warm-start diverged (nll {stats['bc/nll']}); lower "
+                           "warmstart.learning_rate")
+    return policy, stats
+
+
+async def publish_warmstart(cfg: Config, policy: Policy, stats: dict[str, float],
+                            bus_override: str | None = None) -> PolicyVersion:
+    """Save ``policy`` as version 0 of the run and publish it (reason ``warmstart``)."""
+    from .bus.base import Bus  # noqa: F401 - type context only
+    from .runlog import current_policy_version
+    from .runtime import open_run_bus
+    from .storage.checkpoints import CheckpointStore
+
+    from schemas import encode
+
+    async with open_run_bus(cfg, bus_override) as bus:
+        await bus.create_topics(ALL_TOPICS, cfg.bus.partitions)
+        latest = await current_policy_version(bus)
+        if latest is not None:
+            raise ConfigError(
+                f"run {cfg.run.run_id!r} already has policy version {latest.version} "
+                f"({latest.reason}); warm-start starts a run: use a fresh run.run_dir (or bus)")
+        store = CheckpointStore(cfg.learner.checkpoints or f"{cfg.run.run_dir}/checkpoints")
+        ref = save_weights(store, policy, 0, {"run_id": cfg.run.run_id, "reason": "warmstart"})
+        event = PolicyVersion(
+            event_id=event_id("policy-version", cfg.run.run_id, 0, "warmstart"),
+            run_id=cfg.run.run_id, producer="warmstart", key="policy", version=0,
+            checkpoint=ref.address, checkpoint_hash=ref.sha256, parent=None, reason="warmstart",
+            learning_rate=cfg.learner.learning_rate, env_steps=0,
+            metrics={k: float(v) for k, v in stats.items()})
+        await bus.publish(POLICY_VERSION, [(event.key.encode(), encode(event))])
+        return event
+
+
+async def warmstart(cfg: Config, bus_override: str | None = None) -> dict[str, Any]:
+    """``gyre warmstart``: clone, then publish version 0; returns a summary."""
+    import asyncio
+    import os
+
+    os.makedirs(cfg.run.run_dir, exist_ok=True)
+    policy, stats = await asyncio.to_thread(warm_policy, cfg)
+    event = await publish_warmstart(cfg, policy, stats, bus_override)
+    return {"version": event.version, "checkpoint": event.checkpoint, **stats}

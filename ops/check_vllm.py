@@ -91,9 +91,9 @@ def compare(torch_policy, contexts, actions, behaviour_params=None):
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--env", default="twx")
-    parser.add_argument("--env-config", default='{"game": "cookingworld", "params": '
-                        '"numLocations=1,numIngredients=1,numDistractorItems=0,'
-                        'includeDoors=0", "max_steps": 20}')
+    parser.add_argument("--env-config", default='{"game": "twc", "params": "numLocations=1,'
+                        'numItemsToPutAway=1,includeDoors=0", "max_steps": 8, '
+                        '"admissible": "snap"}')
     parser.add_argument("--envs", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--context-tokens", type=int, default=192)

@@ -1,4 +1,5 @@
-"""The whole loop with SmolLM2-135M as the policy (``policy.backend = "hf"``), a short run:
+"""The whole loop with SmolLM2-135M as the policy (``policy.backend = "hf"``) on
+TextWorldExpress, a short run:
 the sampler acts with the pretrained model, the learner trains it (PPO, value head added),
 policy versions advance, and the last published checkpoint loads back identically.
 
@@ -26,7 +27,10 @@ from schemas.config import Config  # noqa: E402
 from schemas.events import PolicyVersion, TrajectoryStep  # noqa: E402
 from schemas.topics import POLICY_VERSION, TRAJECTORY_STEP  # noqa: E402
 
-TASK = {"env": "workshop", "env_config": {"n_orders": 2, "max_steps": 6}}
+# TextWorldExpress "twc" (put an object where it belongs), the small real text game; the
+# policy's free text is snapped to the game's nearest valid action.
+TASK = {"env": "twx", "env_config": {"game": "twc", "params": "numLocations=1,"
+        "numItemsToPutAway=1,includeDoors=0", "max_steps": 6, "admissible": "snap"}}
 
 
 def smollm2_config(run_dir) -> Config:

@@ -15,10 +15,13 @@ and a path cross the process boundary, never pickled objects or tensors.
 
 Tied embeddings: vLLM's CPU backend packs the LM head's weight for its GEMM once; an in-place
 reload refreshes the embedding but not that tied copy, so logits would mix old and new
-weights (measured: log-probs off by nats). The engine therefore serves an *untied* copy of
-the model (``tie_word_embeddings: false`` and an explicit ``lm_head.weight``, written once to
-a temporary folder), and every reload writes ``lm_head.weight`` too: the head is then an
-ordinary layer that the reload reloads and re-packs.
+weights (measured: sampled-token log-probs far off the torch backend's). The engine
+therefore serves an *untied* copy of the model (``tie_word_embeddings: false`` and an
+explicit ``lm_head.weight``, written once to a temporary folder), and every reload writes
+``lm_head.weight`` too: the head is then an ordinary layer that the reload re-packs.
+
+The prefix cache is reset after every reload: blocks cached under the old weights would
+otherwise be reused for a context seen before, mixing two versions in one action.
 
 Log-probs follow :mod:`.base`: the engine runs with ``logprobs_mode="processed_logprobs"``,
 so each sampled token's log-prob is taken from the distribution it was drawn from (after
@@ -160,6 +163,11 @@ class VLLMPolicy(Policy):
                     shutil.copy2(self._serving / name, staging / name)
             save_file(_untied(lm), str(staging / "model.safetensors"), metadata={"format": "pt"})
             self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(staging)})
+            # Cached prefixes hold keys/values computed by the old weights; a context seen
+            # before would otherwise be continued from them (measured: off by ~1 nat).
+            if not self.llm.reset_prefix_cache():
+                raise RuntimeError("vLLM refused to reset its prefix cache after a weight "
+                                   "reload; stale keys/values would mix two versions")
         except Exception:
             shutil.rmtree(staging, ignore_errors=True)
             raise

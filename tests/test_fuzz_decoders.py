@@ -253,6 +253,8 @@ def broken_event(draw, topic: str):
             d[field] = d[field][: len(d["action_tokens"])]
         if field == "feedback" and name == "SegmentClosed":
             d["step_end"] = d["step_start"] + len(d[field])
+            # milestones stay inside the (possibly shorter) step range: one thing broken
+            d["milestone_steps"] = [d["step_start"]] * len(d["milestone_steps"])
         if field == "step_rewards":
             d["step_end"] = d["step_start"] + len(d[field])
         expect = field

@@ -8,13 +8,12 @@ they take seconds; generated games and gold paths go to a per-module cache direc
 from __future__ import annotations
 
 import pytest
+import scienceworld  # noqa: F401 - the test extra installs both simulators
+import textworld  # noqa: F401
 
-pytest.importorskip("scienceworld", reason="install the test extra: pip install -e '.[test]'")
-pytest.importorskip("textworld", reason="install the test extra: pip install -e '.[test]'")
-
-from gyre_async.demonstrations import gold_demonstrations  # noqa: E402
-from gyre_async.envs import make_env  # noqa: E402
-from gyre_async.envs.scienceworld import parse_goal_progress  # noqa: E402
+from gyre_async.demonstrations import gold_demonstrations
+from gyre_async.envs import make_env
+from gyre_async.envs.scienceworld import parse_goal_progress
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -13,20 +13,19 @@ from pathlib import Path
 
 import msgspec
 import pytest
+import textworld_express  # noqa: F401 - the test extra installs the simulator
 
-pytest.importorskip("textworld_express", reason="install the test extra: pip install -e '.[test]'")
-
-from actors.evaluator import evaluate  # noqa: E402
-from gyre_async.config import load_config  # noqa: E402
-from gyre_async.demonstrations import (  # noqa: E402
+from actors.evaluator import evaluate
+from gyre_async.config import load_config
+from gyre_async.demonstrations import (
     gold_demonstrations, read_demonstrations, training_pairs, write_demonstrations,
 )
-from gyre_async.envs import game_vocabulary, make_env  # noqa: E402
-from gyre_async.envs.text_games import HINT_PREFIX, snap_action  # noqa: E402
-from gyre_async.policy.context import ContextBuilder  # noqa: E402
-from gyre_async.policy.factory import build_policy, build_tokenizer  # noqa: E402
-from gyre_async.rollout import PolicyHolder  # noqa: E402
-from gyre_async.warmstart import warm_policy  # noqa: E402
+from gyre_async.envs import game_vocabulary, make_env
+from gyre_async.envs.text_games import HINT_PREFIX, snap_action
+from gyre_async.policy.context import ContextBuilder
+from gyre_async.policy.factory import build_policy, build_tokenizer
+from gyre_async.rollout import PolicyHolder
+from gyre_async.warmstart import warm_policy
 
 ROOT = Path(__file__).resolve().parents[1]
 TWC = {"game": "twc", "params": "numLocations=1,numItemsToPutAway=1,includeDoors=0",

@@ -22,6 +22,9 @@ from .cache import cache_dir
 from .text_games import TextGameEnv, Turn, register_text_game
 
 _generate_lock = threading.Lock()
+#: TextWorld runs games on jericho's Z-machine, a C library with process-global state: calls
+#: from several worker threads at once are not safe, so every game call holds this lock.
+_zmachine_lock = threading.RLock()
 _BANNER = re.compile(r"[$\\|_]{3,}")
 
 
@@ -67,6 +70,10 @@ class TextWorldEnv(TextGameEnv):
         self._path = ""
 
     def _start(self, task_id: str, seed: int) -> Turn:
+        with _zmachine_lock:
+            return self._start_locked(task_id, seed)
+
+    def _start_locked(self, task_id: str, seed: int) -> Turn:
         import textworld
 
         path = game_path(self.split, 1 + seed % self.games, **self.settings)
@@ -90,7 +97,8 @@ class TextWorldEnv(TextGameEnv):
                     lost=bool(state["lost"]), progress=progress, raw_score=float(score))
 
     def _act(self, action: str) -> Turn:
-        state, _, _ = self._env.step(action)
+        with _zmachine_lock:
+            state, _, _ = self._env.step(action)
         return self._turn(state, state.feedback)
 
     def _valid_actions(self) -> list[str]:
@@ -104,7 +112,8 @@ class TextWorldEnv(TextGameEnv):
 
     def _release(self) -> None:
         if self._env is not None:
-            self._env.close()
+            with _zmachine_lock:
+                self._env.close()
             self._env = None
             self._path = ""
 

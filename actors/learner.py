@@ -50,7 +50,8 @@ from gyre_async.storage.readable import unreadable_segments
 from gyre_async.storage.segments import SegmentStore
 from schemas import event_id
 from schemas.config import Config
-from schemas.events import CriticReset, PolicyVersion, Rollback, Scored, SegmentDropped
+from schemas.events import (CriticReset, PolicyVersion, RewardFailed, Rollback, Scored,
+                            SegmentDropped)
 from schemas.topics import KEEPER, POLICY_VERSION, SCORED, TELEMETRY
 
 
@@ -339,6 +340,8 @@ class Learner(Actor):
         match event:
             case Scored():
                 return await self._on_scored(event, record)
+            case RewardFailed():
+                return await self._on_withheld(event)
             case Rollback() if event.sequence > self.rollbacks_applied:
                 return await self._on_rollback(event)
         return []
@@ -374,8 +377,20 @@ class Learner(Actor):
         self.core.buffer.append(Buffered(scored, {}, (record.partition, record.offset)))
         if scored.trajectory_done:
             self.done_trajectories.add(scored.trajectory_id)
-        if not self._batch_ready():
+        return await self._train_if_ready()
+
+    async def _on_withheld(self, failed: RewardFailed):
+        """A segment the arbiter withheld (a reward component failed) is never trained, but
+        it still ends its trajectory: sync mode counts that episode as over."""
+        if failed.trajectory_done and failed.trajectory_id:
+            self.done_trajectories.add(failed.trajectory_id)
+            return await self._train_if_ready()
+        return []
+
+    async def _train_if_ready(self):
+        if not self._batch_ready() or not self.core.buffer:
             return []
+        L = self.cfg.learner
         ids = [b.scored.segment_id for b in self.core.buffer]
         steps = self.core.buffered_steps
         staleness = max(self.version - b.scored.min_policy_version for b in self.core.buffer)

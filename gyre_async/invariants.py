@@ -6,7 +6,7 @@ to the processes, the log and the stores must show that
 
 - **nothing was lost**: every trajectory step the segmenter consumed (committed) lies in a
   segment, every finished trajectory is segmented in full, every segment the arbiter
-  consumed was scored, every scored segment the learner consumed was trained or dropped
+  consumed was scored (or withheld with a ``reward-failed`` reason), every scored segment the learner consumed was trained or dropped
   with a reason;
 - **nothing was duplicated**: no step was published twice under different ids or lies in
   two segments, no segment was scored twice with different results, no segment entered two
@@ -36,6 +36,7 @@ from schemas import DecodeError, decode
 from schemas.events import (
     EnvError,
     PolicyVersion,
+    RewardFailed,
     Scored,
     SegmentClosed,
     SegmentDropped,
@@ -140,13 +141,14 @@ def check_run(run: RunEvents, *, segment_store: str, checkpoint_dir: str | None,
     dropped = run.events(TELEMETRY, SegmentDropped)
 
     _check_steps(rep, run, steps, errors, segments)
-    _check_scoring(rep, run, segments, scored)
+    withheld = {e.segment_id for e in run.events(SCORED, RewardFailed)}
+    _check_scoring(rep, run, segments, scored, withheld)
     trained = _check_training(rep, run, versions, segments, scored, dropped, max_staleness)
     _check_segment_store(rep, segments, segment_store)
     if checkpoint_dir is not None:
         _check_checkpoints(rep, versions, Path(checkpoint_dir))
     rep.counts.update(steps=len(steps), env_errors=len(errors), segments=len(segments),
-                      scored=len(scored), versions=len(versions), trained=len(trained),
+                      scored=len(scored), withheld=len(withheld), versions=len(versions), trained=len(trained),
                       dropped=len({d.segment_id for d in dropped}))
     return rep
 
@@ -183,7 +185,8 @@ def _check_steps(rep, run, steps, errors, segments) -> None:
     rep.counts["finished_trajectories"] = len(ends)
 
 
-def _check_scoring(rep, run, segments, scored) -> None:
+def _check_scoring(rep, run, segments, scored, withheld: set[str]) -> None:
+    """A consumed segment is either scored or withheld with a ``reward-failed`` reason."""
     results: dict[str, tuple] = {}
     for e in scored:
         result = (e.total, tuple(e.step_rewards), e.content_hash)
@@ -194,7 +197,7 @@ def _check_scoring(rep, run, segments, scored) -> None:
     for sid in sorted(set(results) - seg_ids):
         rep.lost.append(f"scored segment {sid} was never announced")
     for s in run.consumed("arbiter", SEGMENT_CLOSED, SegmentClosed):
-        if s.segment_id not in results:
+        if s.segment_id not in results and s.segment_id not in withheld:
             rep.lost.append(f"segment {s.segment_id} consumed by the arbiter, never scored")
     rep.counts["scored_twice_same_result"] = sum(
         1 for _ in scored) - len(results)

@@ -6,4 +6,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash ops/install.sh
 VENV="${GYRE_VENV:-.venv}"
-exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@"
+exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=15 "$@"

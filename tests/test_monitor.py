@@ -279,7 +279,9 @@ def test_monitor_in_a_pty_follows_a_running_loop(tmp_path):
             version = _num(r"policy v(\d+) \(", text)
             steps = _num(r"env steps (\d+) ", text)
             assert version in now["versions"], (version, now["versions"], text)
-            assert 0 < steps <= now["step_records"], (steps, now, text)
+            assert steps <= now["step_records"], (steps, now, text)
+            if steps == 0:  # v0 is announced before the sampler's first flush: not live yet
+                continue
             versions_seen.append(version)
             checked += 1
         status = run.wait(timeout=max(1.0, deadline - time.monotonic()))

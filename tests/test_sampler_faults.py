@@ -56,7 +56,7 @@ def test_hung_and_crashing_envs_end_only_their_trajectory(tmp_path):
     cfg = r(cfg, run=r(cfg.run, run_dir=str(tmp_path)),
             task=r(cfg.task, env="faulty-workshop"),
             sampler=r(cfg.sampler, step_timeout_s=0.3),
-            loop=r(cfg.loop, max_wall_s=12),
+            loop=r(cfg.loop, max_env_steps=640, max_wall_s=90),  # steps, not seconds: load-proof
             learner=r(cfg.learner, max_versions=0))
     asyncio.run(run_loop(cfg, progress=False,
                          roles=("sampler", "segmenter", "arbiter", "learner")))

@@ -286,6 +286,29 @@ class Launcher:
         os.replace(tmp, self.status_file)
 
 
+def read_status(path: str | os.PathLike) -> dict:
+    """The status file a launcher writes (``--status-file``); ``{}`` before the first write."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+
+
+def wait_until(what: str, predicate, timeout: float, every: float = 0.2):
+    """Poll ``predicate`` until it returns something truthy (returned), or raise TimeoutError.
+
+    For scripts and tests that drive a launcher from outside (chaos runs, launcher tests).
+    """
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(every)
+    raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
 def run(args) -> int:
     """``gyre launch``: validate the config and roles, then supervise until done or stopped."""
     from .config import load_config

@@ -52,6 +52,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "ops"))
 
+from gyre_async.launcher import read_status, wait_until
+
 ROLES = ("sampler", "segmenter", "arbiter", "learner")
 AIMED = {"segmenter": "segment-write", "learner": "checkpoint-save"}
 
@@ -66,13 +68,6 @@ def write_config(run_dir: Path, run_id: str, batch_steps: int) -> Path:
     cfg = run_dir.parent / "chaos.toml"
     cfg.write_text(text)
     return cfg
-
-
-def read_status(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return {}
 
 
 def published_versions(url: str, run_id: str) -> int:
@@ -93,16 +88,6 @@ def published_versions(url: str, run_id: str) -> int:
                     if isinstance(e, PolicyVersion) and e.run_id == run_id})
 
     return asyncio.run(count())
-
-
-def wait_until(what: str, predicate, timeout: float, every: float = 0.2):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(every)
-    raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 def plan_kills(n: int, aimed_share: float, rng: random.Random) -> list[tuple[str, bool]]:

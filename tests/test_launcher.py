@@ -28,7 +28,14 @@ from actors.echo import EchoActor
 from gyre_async.actor import ActorRunner
 from gyre_async.bus import open_bus
 from gyre_async.bus.reading import read_topics
-from gyre_async.launcher import Launcher, Role, backoff_s, describe_exit
+from gyre_async.launcher import (
+    Launcher,
+    Role,
+    backoff_s,
+    describe_exit,
+    read_status,
+    wait_until,
+)
 from gyre_async.metrics import (
     actor_metrics,
     render,
@@ -81,21 +88,11 @@ def launch(tmp_path: Path, cfg: Path, bus: str, *extra: str) -> tuple[subprocess
     return proc, status
 
 
-def read_status(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return {}
-
-
 def wait_for(what: str, predicate, timeout: float, log: Path, every: float = 0.5):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(every)
-    raise AssertionError(f"timed out waiting for {what}:\n{log.read_text()[-4000:]}")
+    try:
+        return wait_until(what, predicate, timeout, every)
+    except TimeoutError as exc:
+        raise AssertionError(f"{exc}:\n{log.read_text()[-4000:]}") from None
 
 
 def pid_alive(pid: int) -> bool:

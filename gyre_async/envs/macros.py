@@ -51,7 +51,6 @@ gamma**k).
 
 from __future__ import annotations
 
-import importlib
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -59,6 +58,7 @@ from typing import Any
 
 from schemas.events import MAX_PRIMITIVES_PER_STEP, PrimitiveStep, TrajectoryStep
 
+from ..imports import import_callable
 from .base import Env, StepResult
 
 #: ``(observation, steps_done) -> next env action, or None when the sub-goal is met``.
@@ -99,17 +99,7 @@ class Macro:
 
 
 def load_script(target: str) -> MacroScript:
-    module, sep, attr = target.partition(":")
-    if not sep or not module or not attr:
-        raise ValueError(f"macro script {target!r}: write it as 'package.module:function'")
-    try:
-        fn = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"macro script {target!r} cannot be loaded ({exc}); check that the "
-                         "module is importable (PYTHONPATH) and defines the function") from None
-    if not callable(fn):
-        raise ValueError(f"macro script {target!r} is not callable")
-    return fn
+    return import_callable(target, "macro script")  # type: ignore[return-value]
 
 
 def macros_from_config(section: Any) -> dict[str, Macro]:

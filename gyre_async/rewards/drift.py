@@ -25,7 +25,6 @@ Agreement:
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ from schemas import event_id
 from schemas.config import ArbiterConfig
 from schemas.events import DriftReport
 
+from ..jsonl import read_jsonl
 from .prm import ProcessReward, ProcessRewardModel
 
 
@@ -54,22 +54,17 @@ class Agreement:
 
 def read_reference(path: str) -> Reference:
     scored, pairs = [], []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                if "better" in row:
-                    pairs.append((_actions(row["better"]), _actions(row["worse"])))
-                else:
-                    score = float(row["score"])
-                    if not math.isfinite(score):
-                        raise ValueError("score must be finite")
-                    scored.append((_actions(row["actions"]), score))
-            except (ValueError, KeyError, TypeError) as exc:
-                raise ValueError(f"{path}:{lineno}: expected {{\"actions\": [...], \"score\": x}} "
-                                 f"or {{\"better\": [...], \"worse\": [...]}}: {exc}") from None
+
+    def parse(row) -> None:
+        if "better" in row:
+            pairs.append((_actions(row["better"]), _actions(row["worse"])))
+            return
+        score = float(row["score"])
+        if not math.isfinite(score):
+            raise ValueError("score must be finite")
+        scored.append((_actions(row["actions"]), score))
+
+    read_jsonl(path, parse, '{"actions": [...], "score": x} or {"better": [...], "worse": [...]}')
     if len(pairs) + sum(1 for i, (_, a) in enumerate(scored)
                         for _, b in scored[i + 1:] if a != b) == 0:
         raise ValueError(f"{path}: no comparable judgments (need two scored lines with "

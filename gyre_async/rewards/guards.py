@@ -50,20 +50,13 @@ from dataclasses import dataclass
 from schemas.config import ArbiterConfig, RuleSpec
 from schemas.events import Milestone, SegmentClosed
 
-from .plugins import build
+from .plugins import Registry
 from .rules import RuleFailed
 
 SafetyRule = Callable[[SegmentClosed], "str | None"]
 
-SAFETY_RULES: dict[str, Callable[..., SafetyRule]] = {}
-
-
-def register_safety_rule(name: str):
-    """Decorator: register a safety-rule factory under ``name``."""
-    def deco(factory):
-        SAFETY_RULES[name] = factory
-        return factory
-    return deco
+SAFETY_RULES = Registry("safety rule")
+register_safety_rule = SAFETY_RULES.register
 
 
 @register_safety_rule("forbidden_text")
@@ -172,7 +165,7 @@ class SafetyRules:
 
     def __init__(self, specs: Sequence[RuleSpec]):
         self.rules = [(f"guard:safety:{s.name}",
-                       build(s.name, dict(s.args), SAFETY_RULES, "safety rule")) for s in specs]
+                       SAFETY_RULES.build(s.name, dict(s.args))) for s in specs]
 
     def verdicts(self, seg: SegmentClosed) -> tuple[list[Verdict], list[RuleFailed]]:
         out: list[Verdict] = []

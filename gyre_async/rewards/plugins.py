@@ -10,9 +10,10 @@ name, instead of on the first segment.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from typing import Any
+
+from ..imports import import_callable
 
 
 class RuleConfigError(ValueError):
@@ -26,15 +27,7 @@ def resolve_factory(name: str, registry: dict[str, Callable[..., Any]], kind: st
         raise RuleConfigError(
             f"unknown {kind} {name!r}: use one of {', '.join(sorted(registry))} "
             "or a 'module:function' path to a factory")
-    module, _, attr = name.partition(":")
-    try:
-        target = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as exc:
-        raise RuleConfigError(f"{kind} {name!r} cannot be imported: {exc}. Check that the "
-                              "module is on PYTHONPATH and defines that function") from None
-    if not callable(target):
-        raise RuleConfigError(f"{kind} {name!r} is not callable")
-    return target
+    return import_callable(name, kind, RuleConfigError)
 
 
 def build(name: str, args: dict[str, Any], registry: dict[str, Callable[..., Any]],
@@ -44,3 +37,22 @@ def build(name: str, args: dict[str, Any], registry: dict[str, Callable[..., Any
         return factory(**args)
     except TypeError as exc:
         raise RuleConfigError(f"{kind} {name!r}: bad args {args!r}: {exc}") from None
+
+
+class Registry(dict):
+    """Factories of one kind of pluggable rule, by name; ``register`` is the decorator."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+
+    def register(self, name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        """Decorator: register a factory under ``name``."""
+        def deco(factory: Callable[..., Any]) -> Callable[..., Any]:
+            self[name] = factory
+            return factory
+        return deco
+
+    def build(self, name: str, args: dict[str, Any]) -> Callable:
+        return build(name, args, self, self.kind)
+

@@ -42,6 +42,8 @@ from torch import nn
 
 from schemas.events import SegmentClosed
 
+from ..jsonl import read_jsonl
+
 FORMAT = "gyre-prm"
 VERSION = "1"
 
@@ -62,22 +64,13 @@ def labelled_segment(seg: SegmentClosed, label: float) -> dict:
 
 
 def read_labels(path: str) -> list[LabelledSegment]:
-    out = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                actions, label = row["actions"], float(row["label"])
-            except (ValueError, KeyError, TypeError) as exc:
-                raise ValueError(f"{path}:{lineno}: expected {{\"actions\": [...], \"label\": "
-                                 f"0..1}}: {exc}") from None
-            if not (isinstance(actions, list) and actions and 0.0 <= label <= 1.0):
-                raise ValueError(f"{path}:{lineno}: actions must be a non-empty list and "
-                                 "label in [0, 1]")
-            out.append(LabelledSegment(tuple(str(a) for a in actions), label))
-    return out
+    def parse(row) -> LabelledSegment:
+        actions, label = row["actions"], float(row["label"])
+        if not (isinstance(actions, list) and actions and 0.0 <= label <= 1.0):
+            raise ValueError("actions must be a non-empty list and label in [0, 1]")
+        return LabelledSegment(tuple(str(a) for a in actions), label)
+
+    return read_jsonl(path, parse, '{"actions": [...], "label": 0..1}')
 
 
 def _bucket(text: str, buckets: int) -> int:

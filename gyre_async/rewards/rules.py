@@ -29,19 +29,12 @@ from collections.abc import Callable, Sequence
 from schemas.config import RuleSpec
 from schemas.events import SegmentClosed
 
-from .plugins import build
+from .plugins import Registry
 
 Rule = Callable[[SegmentClosed], Sequence[float]]
 
-RULES: dict[str, Callable[..., Rule]] = {}
-
-
-def register_rule(name: str):
-    """Decorator: register a rule factory under ``name``."""
-    def deco(factory):
-        RULES[name] = factory
-        return factory
-    return deco
+RULES = Registry("rule")
+register_rule = RULES.register
 
 
 @register_rule("proven_fact")
@@ -81,7 +74,7 @@ class RuleSet:
             component = f"rule:{s.name}"
             if any(c == component for c, _, _ in self.rules):
                 component += f"#{i + 1}"  # the same rule twice, with other args
-            self.rules.append((component, s.weight, build(s.name, dict(s.args), RULES, "rule")))
+            self.rules.append((component, s.weight, RULES.build(s.name, dict(s.args))))
 
     def per_step(self, seg: SegmentClosed) -> tuple[dict[str, list[float]], list[RuleFailed]]:
         """Weighted per-step rewards of every rule that worked, and the failures."""

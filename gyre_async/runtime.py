@@ -34,12 +34,30 @@ def open_run_bus(cfg: Config, override: str | None = None) -> Bus:
 
 
 def dump_tasks() -> None:
-    """Print every asyncio task's stack to stderr (``kill -USR1 <pid>`` on a stuck actor)."""
+    """Print every asyncio task's await chain to stderr (``kill -USR1 <pid>`` on a stuck actor).
+
+    ``Task.print_stack`` shows only a suspended task's outermost frame; following ``cr_await``
+    shows the innermost coroutine, which is where a hang actually waits.
+    """
     import sys
 
     for task in asyncio.all_tasks():
         print(f"--- task {task.get_name()}", file=sys.stderr)
-        task.print_stack(file=sys.stderr)
+        for line in await_chain(task.get_coro()):
+            print(f"    {line}", file=sys.stderr)
+
+
+def await_chain(coro) -> list[str]:
+    """``file:line in function`` for each coroutine/generator frame down the await chain."""
+    out: list[str] = []
+    while coro is not None and len(out) < 64:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+        if frame is None:  # a future or another awaitable: the thing actually waited on
+            out.append(repr(coro)[:300])
+            break
+        out.append(f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}")
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+    return out
 
 
 def install_stop_signals(stop: Callable[[], None]) -> None:

@@ -82,12 +82,11 @@ def test_noida_restart_mid_run_actors_reconnect_and_invariants_hold(tmp_path, un
                                                          run_id, run_dir, log_path)
     finally:
         broker.stop()
-    # Every role stayed up through the restart (checked while waiting). On SIGTERM each
-    # should exit 0; one that hangs in shutdown after the restart is killed after 60 s
-    # (-9): a known, open defect, reported here rather than failing the reconnect check.
-    assert all(c in (0, -signal.SIGKILL) for c in codes), (codes, log_path.read_text()[-4000:])
-    if any(c != 0 for c in codes):
-        print(f"roles killed after a 60 s SIGTERM grace: {codes}")
+    # Every role stayed up through the restart (checked while waiting) and exits 0 on
+    # SIGTERM within 60 s (one that does not is killed, its tasks dumped into the log).
+    assert codes == [0, 0, 0, 0], (codes, log_path.read_text()[-6000:])
+    # ...and cleanly: no client gave up on closing (the bounded close is a safety net)
+    assert "close_timeout" not in log_path.read_text(), log_path.read_text()[-6000:]
     assert after >= before + 1
     assert report.ok, report.describe()
     assert report.counts["trained"] > 0
@@ -117,7 +116,9 @@ def _run_with_restart(broker, port, data, cfg, url, run_id, run_dir, log_path):
             try:
                 p.wait(timeout=60)
             except subprocess.TimeoutExpired:
-                p.kill()  # known defect: after a noida restart a role can hang in shutdown
+                p.send_signal(signal.SIGUSR1)  # its tasks' await chains, into the log
+                time.sleep(3)
+                p.kill()
                 p.wait()
 
     async def read():

@@ -27,6 +27,11 @@ Choices, and why:
 - Joining a group is bounded by ``join_timeout``: aiokafka waits forever, and noida-db never
   expires a member that died without leaving (it stays group leader and every later
   member's SyncGroup times out, for good), so a stuck join becomes a retriable error.
+- Under uvloop a write to a connection the broker closed raised an error aiokafka does not
+  catch, which killed its metadata task after a broker restart; ``kafka_compat`` fixes that.
+- Closing is bounded by ``close_timeout`` (per client): aiokafka's consumer can wait forever
+  in ``stop()`` after a broker restart, and a role must still stop on SIGTERM. Nothing is
+  committed on close, so giving up loses nothing.
 - A commit for partitions a rebalance moved away is dropped (logged), not raised: their new
   owner resumes from the last commit, and crashing the actor would rebalance again.
 - aiokafka errors become :class:`BusError`, ``retriable`` for connection loss, timeouts and
@@ -77,8 +82,10 @@ from .base import (
     TopicPartition,
     partition_for,
 )
+from .kafka_compat import apply as _apply_aiokafka_fixes
 
 log = structlog.get_logger(__name__)
+_apply_aiokafka_fixes()  # uvloop's closed-transport RuntimeError (see kafka_compat.py)
 
 TOPIC_ALREADY_EXISTS = 36
 _LEGAL_TOPIC = re.compile(r"[A-Za-z0-9._-]{1,249}")
@@ -166,6 +173,7 @@ class KafkaBus(Bus):
         replication_factor: int | str = 1,
         isolation_level: str = "read_uncommitted",
         join_timeout: float | str = 60.0,
+        close_timeout: float | str = 15.0,
         default_partitions: int | str = 4,
         **security: str,
     ):
@@ -178,6 +186,7 @@ class KafkaBus(Bus):
         # uncommitted data costs nothing and avoids waiting on a last-stable offset.
         self.isolation_level = isolation_level
         self.join_timeout = float(join_timeout)
+        self.close_timeout = float(close_timeout)
         self.default_partitions = int(default_partitions)
         self.idempotent: bool | None = None  # known after start()
         self._idempotence = _as_bool_or_auto(enable_idempotence)
@@ -273,7 +282,10 @@ class KafkaBus(Bus):
             if closer is None:
                 continue
             try:
-                await closer()
+                await asyncio.wait_for(closer(), self.close_timeout)
+            except asyncio.TimeoutError:
+                log.warning("kafka.client_close_timeout", seconds=self.close_timeout,
+                            client=getattr(closer, "__qualname__", repr(closer)))
             except Exception as exc:  # noqa: BLE001 - close the others, then raise it
                 first = first or exc
         self._producer = self._admin = self._meta = None
@@ -585,18 +597,48 @@ class _Member(Consumer):
         return {(tp.topic, tp.partition) for tp in self._consumer.assignment()}
 
     async def close(self) -> None:
+        """Leave the group, within ``close_timeout`` seconds.
+
+        Nothing is committed here (commits happen with each published batch), so giving up
+        on a close loses nothing: records after the last commit are redelivered. Giving up is
+        needed because aiokafka's consumer can wait forever in ``stop()`` once its metadata
+        task has died (seen after a broker restart), and a role must still stop on SIGTERM.
+        """
         # aiokafka cancels a background task in stop() and awaits it; if that task has not
         # run yet, the CancelledError escapes. Let it start first, and tell that race apart
         # from a real cancellation of the caller.
         await asyncio.sleep(0)
+        stop = asyncio.ensure_future(self._consumer.stop())
         try:
-            await self._consumer.stop()
+            done, _ = await asyncio.wait([stop], timeout=self.bus.close_timeout)
+            if not done:
+                log.warning("kafka.consumer_close_timeout", group=self.group,
+                            seconds=self.bus.close_timeout,
+                            metadata_task=_task_state(getattr(self._consumer._client,
+                                                              "_sync_task", None)),
+                            note="left without LeaveGroup; uncommitted records are "
+                                 "redelivered to the next member")
+                stop.cancel()
+                return
+            stop.result()
         except KafkaError as exc:
             raise bus_error(exc, f"closing the consumer of {list(self.topics)}") from exc
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if task is not None and task.cancelling():
+                stop.cancel()
                 raise
+
+
+def _task_state(task: asyncio.Task | None) -> str:
+    """``running``, ``absent``, ``cancelled`` or ``died: <exception>`` (for diagnostics)."""
+    if task is None:
+        return "absent"
+    if not task.done():
+        return "running"
+    if task.cancelled():
+        return "cancelled"
+    return f"died: {task.exception()!r}" if task.exception() else "finished"
 
 
 class _Rebalance(ConsumerRebalanceListener):

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from schemas import DecodeError, decode
 from schemas.events import (
-    DeadLetter, EnvError, EvalResult, Heartbeat, PolicyVersion, RewardFailed, Scored,
+    CriticReset, DeadLetter, EnvError, EvalResult, Heartbeat, PolicyVersion, RewardFailed, Scored,
     SegmentClosed, SegmentDropped, TrajectoryStep,
 )
 from schemas.topics import ALL_TOPICS
@@ -77,6 +77,7 @@ class MonitorState:
         self.max_version = -1
         self.versions = self.updates = 0
         self.rollbacks: list[tuple[float, int, int | None]] = []  # (ts, to version, parent)
+        self.critic_resets: list[CriticReset] = []  # the learner's divergence detector fired
         self.learner_staleness = self.max_staleness_seen = 0.0
         # validation and training curves
         self.evals: list[EvalResult] = []
@@ -153,6 +154,8 @@ class MonitorState:
                 self.env_error_kinds[event.kind] += 1
             case RewardFailed():
                 self.reward_failed += 1
+            case CriticReset():
+                self.critic_resets.append(event)
         return True
 
     def _step(self, e: TrajectoryStep) -> None:

@@ -77,6 +77,13 @@ def _policy(s: MonitorState) -> Panel:
     if last_rb:
         lines.append(Text(f"latest rollback -> v{last_rb[1]} (from v{last_rb[2]}) at "
                           f"{_clock(last_rb[0])}", style="bold red"))
+    if s.critic_resets:
+        cr = max(s.critic_resets, key=lambda e: e.ts)
+        lines.append(Text(f"critic resets {len(s.critic_resets)}: latest at v{cr.version} "
+                          f"({cr.reason}) at {_clock(cr.ts)}", style="bold yellow"))
+        lines.append(Text(f"  max |adv| {cr.max_abs_advantage:.3g}  value loss "
+                          f"{cr.value_loss:.3g}  lr -> {cr.learning_rate:.2g}",
+                          style="yellow"))
     return Panel(Group(*lines), title="policy", border_style="blue")
 
 

@@ -31,6 +31,7 @@ from gyre_async.monitor import MonitorState, render
 from gyre_async.runlog import current_policy_version, load_runlog
 from schemas import decode
 from schemas.events import (
+    CriticReset,
     DeadLetter,
     EnvError,
     EvalResult,
@@ -125,6 +126,13 @@ def test_policy_evals_rollbacks_and_staleness():
     assert "rollbacks 1" in text and "latest rollback -> v1 (from v2)" in text
     assert "val success 50.0% (v2)" in text
     assert "n/a (no drift-report events)" in text
+    assert "critic resets" not in text
+    s.fold(CriticReset(**_env("learner", 32), version=2, reason="advantage",
+                       max_abs_advantage=412.0, value_loss=3.5, learning_rate=1.5e-4))
+    assert len(s.critic_resets) == 1
+    text = frame_text(s)
+    assert "critic resets 1: latest at v2 (advantage)" in text
+    assert "max |adv| 412  value loss 3.5  lr -> 0.00015" in text
 
 
 def test_rewards_returns_steps_and_dead_letters():

@@ -145,16 +145,20 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=str(ROOT / "ops/configs/quickstart.toml"))
     p.add_argument("--out", default=str(ROOT / "runs/bench-credit"))
-    p.add_argument("--budget", type=int, default=30_000, help="env steps per run")
+    p.add_argument("--budget", type=int, default=110_000, help="env steps per run")
     p.add_argument("--seeds", type=int, default=3)
-    p.add_argument("--orders", type=int, default=2, help="workshop orders per episode")
-    p.add_argument("--max-steps", type=int, default=60, help="workshop episode cap")
-    p.add_argument("--group-size", type=int, default=8, help="episodes per task (GRPO group)")
+    p.add_argument("--only-seeds", default="",
+                   help="comma-separated seeds to run (e.g. '2'): several processes can share "
+                        "one --out, then --summarize reports them together")
+    p.add_argument("--orders", type=int, default=10,
+                   help="workshop orders per episode (10: the quickstart task, ~83-step oracle)")
+    p.add_argument("--max-steps", type=int, default=300, help="workshop episode cap")
+    p.add_argument("--group-size", type=int, default=4, help="episodes per task (GRPO group)")
     p.add_argument("--target", type=float, default=0.5, help="validation success to reach")
-    p.add_argument("--max-wall", type=float, default=900.0, help="safety stop per run (s)")
+    p.add_argument("--max-wall", type=float, default=3600.0, help="safety stop per run (s)")
     p.add_argument("--variants", default=",".join(VARIANTS))
-    p.add_argument("--stop-at", type=float, default=0.9,
-                   help="a run stops early once validation reaches this")
+    p.add_argument("--stop-at", type=float, default=None,
+                   help="a run stops early once validation reaches this (default: --target)")
     p.add_argument("--reuse", action="store_true",
                    help="keep runs already finished in --out (a cut-short bench resumes)")
     p.add_argument("--summarize", action="store_true",
@@ -162,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true",
                    help="smoke run: 1 seed, 3k steps, 2 orders (checks the pipeline only)")
     args = p.parse_args(argv)
+    if args.stop_at is None:
+        args.stop_at = args.target
     if args.quick:
         args.budget, args.seeds, args.orders, args.max_steps = 3000, 1, 2, 60
         args.max_wall = 240.0
@@ -173,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(args.out, exist_ok=True)
     curves: dict[str, list] = {v: [] for v in variants}
     finals: dict[str, list[float]] = {v: [] for v in variants}
-    for seed in range(args.seeds):  # seeds outermost: a cut-short bench still compares all
+    seeds = [int(x) for x in args.only_seeds.split(",") if x] or list(range(args.seeds))
+    for seed in seeds:  # seeds outermost: a cut-short bench still compares all
         for variant in variants:
             run_dir = os.path.join(args.out, f"{variant}-s{seed}")
             started = time.monotonic()

@@ -97,6 +97,7 @@ class Evaluator(Actor):
     role = "evaluator"
     consumes = (POLICY_VERSION, EVAL_REQUEST)
     emits = (EVAL,)
+    max_batch = 1  # an evaluation takes seconds to minutes: publish each result at once
 
     def __init__(self, cfg: Config):
         self.cfg = cfg

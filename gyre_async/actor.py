@@ -57,6 +57,9 @@ class Actor:
     role: ClassVar[str] = "actor"
     consumes: ClassVar[tuple[str, ...]] = ()
     emits: ClassVar[tuple[str, ...]] = ()
+    #: at most this many records per batch (outputs are published once per batch): an actor
+    #: whose handler takes long (an evaluation) sets 1 so each result goes out when it exists
+    max_batch: ClassVar[int | None] = None
 
     runner: ActorRunner
 
@@ -120,7 +123,7 @@ class ActorRunner:
         self.run_id = run_id
         self.name = name or actor.role
         self.group = group or f"{run_id}.{actor.role}"
-        self.max_in_flight = max_in_flight
+        self.max_in_flight = min(max_in_flight, actor.max_batch or max_in_flight)
         self.heartbeat_s = heartbeat_s
         self.max_retries = max_retries
         self.retry_base_s = retry_base_s

@@ -298,6 +298,7 @@ class Learner(Actor):
         self.version = -1
         self.trained_steps = 0
         self.dropped = 0
+        self.dropped_steps = 0  # steps of every dropped segment: consumed, never trained
         self.learning_rate = cfg.learner.learning_rate
         self.done_trajectories: set[str] = set()
         self.trained_before: set[str] = set()  # see gyre_async.redelivery
@@ -326,6 +327,7 @@ class Learner(Actor):
                                     latest.checkpoint_hash)
             self.version = latest.version
             self.trained_steps = latest.env_steps
+            self.dropped_steps = max(0, latest.consumed_steps - latest.env_steps)
             self.learning_rate = latest.learning_rate or self.learning_rate
             self.core.set_learning_rate(self.learning_rate)
             self.core.critic.initialised = True  # the checkpoint's critic, not a new prior
@@ -458,6 +460,7 @@ class Learner(Actor):
         """Refuse a segment, visibly: counted and announced, never silently lost."""
         if reason == "stale":
             self.dropped += 1
+        self.dropped_steps += scored.step_end - scored.step_start
         return Emit(TELEMETRY, SegmentDropped(
             event_id=event_id("dropped", scored.segment_id), run_id=scored.run_id,
             producer=self.runner.name, key=scored.trajectory_id,
@@ -484,7 +487,8 @@ class Learner(Actor):
             run_id=self.cfg.run.run_id, producer=self.runner.name, key="policy",
             version=version, checkpoint=ref.address, checkpoint_hash=ref.sha256,
             parent=self.version if self.version >= 0 else None, reason=reason,  # type: ignore[arg-type]
-            learning_rate=self.learning_rate, env_steps=self.trained_steps, metrics=metrics,
+            learning_rate=self.learning_rate, env_steps=self.trained_steps,
+            consumed_steps=self.trained_steps + self.dropped_steps, metrics=metrics,
             trained_segments=ids, advantage_digest=digest,
             fusion_weights=list(fusion_weights or []))
         self.version = version

@@ -49,8 +49,10 @@ class Sampler(Actor):
         self.builder = ContextBuilder(self.tokenizer, cfg.policy.context_tokens,
                                       cfg.policy.history_turns)
         self.gate = StalenessGate(0 if cfg.run.mode == "sync" else cfg.loop.max_staleness,
-                                  cfg.learner.batch_steps)
+                                  cfg.learner.batch_steps,
+                                  cfg.sampler.num_envs * cfg.segmenter.max_segment_steps)
         self.learner_version = -1
+        self.learner_consumed = 0  # steps the learner trained on or dropped (the gate's base)
         self.steps_emitted = 0
         self.episodes = 0
         self.env_errors = 0
@@ -118,6 +120,7 @@ class Sampler(Actor):
         async with self._version_seen:
             self.learner_version = max(self.learner_version, event.version) \
                 if event.reason != "rollback" else event.version
+            self.learner_consumed = max(self.learner_consumed, event.consumed_steps)
             self._version_seen.notify_all()
 
     async def _admit(self) -> None:
@@ -127,7 +130,8 @@ class Sampler(Actor):
         async with self._version_seen:
             await self._version_seen.wait_for(
                 lambda: self.holder.version >= 0
-                and self.gate.may_sample(self.steps_emitted, self.learner_version)
+                and self.gate.may_sample(self.steps_emitted, self.learner_version,
+                                         self.learner_consumed)
                 and not self.gate.sampler_must_pause(self.holder.version, self.learner_version)
             )
         self.steps_emitted += 1

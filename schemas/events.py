@@ -251,6 +251,9 @@ class PolicyVersion(Event, tag="policy-version", frozen=True, kw_only=True):
     reason: Literal["init", "update", "rollback", "warmstart"] = "update"
     learning_rate: float = 0.0
     env_steps: int = 0
+    #: steps the learner has trained on *or dropped* since the start: the staleness gate lets
+    #: the sampler run this far plus (max_staleness + 1) batches (0 in events before it existed)
+    consumed_steps: int = 0
     metrics: dict[str, float] = {}
     trained_segments: list[str] = []  # segment ids in the batch that made this version
     advantage_digest: str = ""  # fingerprint of that batch's advantages (replay audit)

@@ -58,3 +58,25 @@ def test_sampler_must_pause():
 def test_rejects_bad_config(kwargs):
     with pytest.raises(ValueError):
         StalenessGate(**kwargs)
+
+
+def test_dropped_steps_reopen_the_gate():
+    """The deadlock this prevents: the learner at v54 had consumed 56,080 trained + ~600
+    dropped steps; counting versions only, the cap was (54 + 3) * 1024 = 58,368 steps, all
+    emitted, while fewer than 1,024 closed steps were left to make v55."""
+    gate = StalenessGate(max_staleness=2, steps_per_version=1024)
+    assert gate.capacity(54) == 58_368          # (54 + 3) * 1024: versions alone
+    assert not gate.may_sample(58_368, 54)
+    # consumed 56,080 + 600 = 56,680 -> 56,680 + 3 * 1024 = 59,752: sampling goes on
+    assert gate.capacity(54, 56_680) == 59_752
+    assert gate.may_sample(58_368, 54, 56_680)
+    # consumption behind the version count (old events: consumed 0) never lowers the cap
+    assert gate.capacity(54, 0) == gate.capacity(54) == gate.capacity(54, 50_000)
+
+
+def test_open_segments_are_allowed_on_top():
+    """8 slots with segments of up to 16 steps can hold 128 steps the learner cannot have
+    yet; with max_staleness 0 and batches of 256 the cap must leave room for them."""
+    gate = StalenessGate(max_staleness=0, steps_per_version=256, in_flight=8 * 16)
+    assert gate.capacity(0) == 256 + 128
+    assert gate.capacity(3, 1000) == 1000 + 256 + 128

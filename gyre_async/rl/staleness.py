@@ -3,15 +3,28 @@
 Every step carries the policy version that produced it. The learner consumes
 ``steps_per_version`` steps per update, so with the learner at version ``v`` the steps it
 will still train on before version ``v + max_staleness + 1`` number
-``(v + max_staleness + 1) * steps_per_version`` in total since the start. The sampler may
-emit a step only while its running total stays below that::
+``(v + max_staleness + 1) * steps_per_version`` in total since the start. But the learner
+also *consumes* steps it never trains on: segments dropped as stale or rolled back, and
+batches larger than ``steps_per_version``. Counting only versions, those steps were lost to
+the gate: once enough were dropped, the sampler stopped at its cap while the learner waited
+for a batch that could no longer fill (a deadlock, seen in a long run without milestones).
+So the cap also counts from ``consumed`` (steps trained on or dropped, announced in each
+``policy-version``) and the larger of the two applies. Steps also sit in segments that are
+still open (an episode's current segment closes at a boundary or at its end), out of the
+learner's reach; ``in_flight`` (at most one open segment per environment slot: ``num_envs *
+segmenter.max_segment_steps``) is allowed on top, or a small ``max_staleness`` could leave
+the learner short of a batch with the sampler at its cap::
 
-    may_sample(n, v)         <=>  n < (v + max_staleness + 1) * steps_per_version
+    capacity(v, c)           =   max(v * steps_per_version, c)
+                                 + (max_staleness + 1) * steps_per_version + in_flight
+    may_sample(n, v, c)      <=>  n < capacity(v, c)
     is_stale(s, v)           <=>  v - s > max_staleness        (sample made by version s)
     sampler_must_pause(s, v) <=>  v - s > max_staleness        (sampler acting with version s)
 
-``max_staleness = 0`` is synchronous on-policy RL: one version's worth of steps, then wait.
-The class is pure (no clocks, no I/O), so the sampler and learner share one rule.
+Staleness itself stays bounded by ``is_stale`` (the learner drops what is too old) and
+``sampler_must_pause``. ``max_staleness = 0`` is synchronous on-policy RL: one version's
+worth of steps, then wait. The class is pure (no clocks, no I/O), so the sampler and learner
+share one rule.
 """
 
 from __future__ import annotations
@@ -25,6 +38,7 @@ class StalenessGate:
 
     max_staleness: int
     steps_per_version: int
+    in_flight: int = 0
 
     def __post_init__(self) -> None:
         if self.max_staleness < 0:
@@ -32,13 +46,15 @@ class StalenessGate:
         if self.steps_per_version < 1:
             raise ValueError(f"steps_per_version must be >= 1, got {self.steps_per_version}")
 
-    def capacity(self, learner_version: int) -> int:
-        """Total steps that may have been emitted while the learner is at this version."""
-        return (learner_version + self.max_staleness + 1) * self.steps_per_version
+    def capacity(self, learner_version: int, consumed: int = 0) -> int:
+        """Total steps that may have been emitted while the learner is at this version,
+        having consumed (trained on or dropped) ``consumed`` steps."""
+        ahead = (self.max_staleness + 1) * self.steps_per_version + self.in_flight
+        return max(learner_version * self.steps_per_version, consumed) + ahead
 
-    def may_sample(self, steps_emitted: int, learner_version: int) -> bool:
-        """True iff one more step may be emitted: ``steps_emitted < capacity(v)``."""
-        return steps_emitted < self.capacity(learner_version)
+    def may_sample(self, steps_emitted: int, learner_version: int, consumed: int = 0) -> bool:
+        """True iff one more step may be emitted: ``steps_emitted < capacity(v, c)``."""
+        return steps_emitted < self.capacity(learner_version, consumed)
 
     def is_stale(self, sample_version: int, learner_version: int) -> bool:
         """True iff a sample made by ``sample_version`` is too old to train on now."""

@@ -148,8 +148,15 @@ class Sampler(Actor):
                                      seed=self.cfg.run.seed)
         flusher = asyncio.create_task(self._flush_loop())
         slots = [asyncio.create_task(self._slot(i)) for i in range(s.num_envs)]
+        episodes = asyncio.gather(*slots)
         try:
-            await asyncio.gather(*slots)
+            # a publish that failed for good must crash the actor (its supervisor restarts
+            # it), not leave the slots stepping into an outbox nobody sends
+            await asyncio.wait([episodes, flusher], return_when=asyncio.FIRST_COMPLETED)
+            if flusher.done():
+                episodes.cancel()
+                flusher.result()
+            await episodes
         finally:
             for t in slots:
                 t.cancel()

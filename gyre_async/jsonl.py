@@ -13,6 +13,10 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
+class RowError(ValueError):
+    """A row that parsed but says something wrong: reported as ``path:line: <message>``."""
+
+
 def read_jsonl(path: str, parse: Callable[[Any], T], expected: str) -> list[T]:
     out: list[T] = []
     with open(path) as f:
@@ -21,6 +25,8 @@ def read_jsonl(path: str, parse: Callable[[Any], T], expected: str) -> list[T]:
                 continue
             try:
                 out.append(parse(json.loads(line)))
+            except RowError as exc:
+                raise ValueError(f"{path}:{lineno}: {exc}") from None
             except (ValueError, KeyError, TypeError) as exc:
                 raise ValueError(f"{path}:{lineno}: expected {expected}: {exc}") from None
     return out

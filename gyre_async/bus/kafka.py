@@ -57,6 +57,7 @@ from aiokafka.errors import (
     KafkaError,
     MessageSizeTooLargeError,
     NoError,
+    OutOfOrderSequenceNumber,
     UnsupportedVersionError,
     for_code,
 )
@@ -448,8 +449,27 @@ class KafkaBus(Bus):
             raise self._publish_error(exc, topic, messages) from exc
         results = await asyncio.gather(*futures, return_exceptions=True)
         for result in results:
+            if isinstance(result, OutOfOrderSequenceNumber):
+                await self._replace_producer(result)
+                raise BusError(f"publishing to {topic!r}: {result!r}; the producer was "
+                               "replaced, retry", retriable=True) from result
             if isinstance(result, BaseException):
                 raise self._publish_error(result, topic, messages) from result
+
+    async def _replace_producer(self, why: BaseException) -> None:
+        """A broker that lost an idempotent producer's sequence state (noida-db after a
+        restart answers OutOfOrderSequenceNumber for good) needs a new producer id: start a
+        new producer. The retried batch may duplicate records; consumers drop duplicates
+        by event id."""
+        old = self._producer
+        _, _, meta = self._started()
+        self._producer = await self._start_producer(meta)
+        log.warning("kafka.producer_replaced", bootstrap=self.bootstrap, error=repr(why))
+        if old is not None:
+            try:
+                await asyncio.wait_for(old.stop(), self.close_timeout)
+            except Exception as exc:  # noqa: BLE001 - the old producer is abandoned anyway
+                log.info("kafka.old_producer_stop_failed", error=repr(exc))
 
     def _publish_error(self, exc: BaseException, topic: str,
                        messages: Sequence[tuple[bytes | None, bytes]]) -> BusError:

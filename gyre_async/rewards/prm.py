@@ -42,7 +42,7 @@ from torch import nn
 
 from schemas.events import SegmentClosed
 
-from ..jsonl import read_jsonl
+from ..jsonl import RowError, read_jsonl
 
 FORMAT = "gyre-prm"
 VERSION = "1"
@@ -67,7 +67,7 @@ def read_labels(path: str) -> list[LabelledSegment]:
     def parse(row) -> LabelledSegment:
         actions, label = row["actions"], float(row["label"])
         if not (isinstance(actions, list) and actions and 0.0 <= label <= 1.0):
-            raise ValueError("actions must be a non-empty list and label in [0, 1]")
+            raise RowError("actions must be a non-empty list and label in [0, 1]")
         return LabelledSegment(tuple(str(a) for a in actions), label)
 
     return read_jsonl(path, parse, '{"actions": [...], "label": 0..1}')

@@ -21,6 +21,11 @@ the learner short of a batch with the sampler at its cap::
     is_stale(s, v)           <=>  v - s > max_staleness        (sample made by version s)
     sampler_must_pause(s, v) <=>  v - s > max_staleness        (sampler acting with version s)
 
+Known limit: the sampler learns the consumed count only from the next ``policy-version``,
+so drops since the last version do not reopen the gate until then. With ``max_staleness``
+>= 1 the ``(max_staleness + 1)`` batches of headroom cover that; an *async* run with
+``max_staleness = 0`` can still stall under load (use sync mode for on-policy training).
+
 Staleness itself stays bounded by ``is_stale`` (the learner drops what is too old) and
 ``sampler_must_pause``. ``max_staleness = 0`` is synchronous on-policy RL: one version's
 worth of steps, then wait. The class is pure (no clocks, no I/O), so the sampler and learner

@@ -20,25 +20,6 @@ class RuleConfigError(ValueError):
     """A configured rule cannot be built (unknown name, bad import path, bad arguments)."""
 
 
-def resolve_factory(name: str, registry: dict[str, Callable[..., Any]], kind: str) -> Callable:
-    if name in registry:
-        return registry[name]
-    if ":" not in name:
-        raise RuleConfigError(
-            f"unknown {kind} {name!r}: use one of {', '.join(sorted(registry))} "
-            "or a 'module:function' path to a factory")
-    return import_callable(name, kind, RuleConfigError)
-
-
-def build(name: str, args: dict[str, Any], registry: dict[str, Callable[..., Any]],
-          kind: str) -> Callable:
-    factory = resolve_factory(name, registry, kind)
-    try:
-        return factory(**args)
-    except TypeError as exc:
-        raise RuleConfigError(f"{kind} {name!r}: bad args {args!r}: {exc}") from None
-
-
 class Registry(dict):
     """Factories of one kind of pluggable rule, by name; ``register`` is the decorator."""
 
@@ -53,6 +34,20 @@ class Registry(dict):
             return factory
         return deco
 
-    def build(self, name: str, args: dict[str, Any]) -> Callable:
-        return build(name, args, self, self.kind)
+    def factory(self, name: str) -> Callable[..., Any]:
+        """The registered factory, or the ``module:function`` one ``name`` points at."""
+        if name in self:
+            return self[name]
+        if ":" not in name:
+            raise RuleConfigError(
+                f"unknown {self.kind} {name!r}: use one of {', '.join(sorted(self))} "
+                "or a 'module:function' path to a factory")
+        return import_callable(name, self.kind, RuleConfigError)
 
+    def build(self, name: str, args: dict[str, Any]) -> Callable:
+        """Call the factory with ``args`` (once, at start-up)."""
+        factory = self.factory(name)
+        try:
+            return factory(**args)
+        except TypeError as exc:
+            raise RuleConfigError(f"{self.kind} {name!r}: bad args {args!r}: {exc}") from None

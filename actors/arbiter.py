@@ -21,7 +21,7 @@ model's weight in force are rebuilt from our ``scored`` and ``drift-report`` eve
 
 from __future__ import annotations
 
-from gyre_async.actor import Actor, Emit
+from gyre_async.runtime.actor import Actor, Emit
 from gyre_async.bus.reading import iter_topics
 from gyre_async.rewards.arbitration import Arbitration
 from gyre_async.rewards.drift import DriftWatch

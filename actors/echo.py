@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 
-from gyre_async.actor import Actor, Emit
+from gyre_async.runtime.actor import Actor, Emit
 from schemas import event_id
 from schemas.config import EchoConfig
 from schemas.events import Probe

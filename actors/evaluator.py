@@ -23,14 +23,14 @@ from __future__ import annotations
 import asyncio
 import itertools
 
-from gyre_async.actor import Actor, Emit
+from gyre_async.runtime.actor import Actor, Emit
 from gyre_async.bus.reading import iter_topics
 from gyre_async.envs import make_env
 from gyre_async.envs.macros import with_macros
 from gyre_async.policy.base import SamplingParams
 from gyre_async.policy.context import ContextBuilder
 from gyre_async.policy.factory import build_policy, build_tokenizer
-from gyre_async.rollout import ActionBatcher, PolicyHolder, run_episode
+from gyre_async.core.rollout import ActionBatcher, PolicyHolder, run_episode
 from schemas import decode, event_id
 from schemas.config import Config
 from schemas.events import EvalRequest, EvalResult, PolicyVersion

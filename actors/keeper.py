@@ -3,13 +3,13 @@
 consumes: policy-version (PolicyVersion), eval (EvalResult)
 emits:    keeper (KeptCheckpoint, Rollback, CheckpointFault)
 
-What it keeps (``gyre_async.keeper_slots``): ``best`` validation, latest ``stable``
+What it keeps (``gyre_async.core.keeper_slots``): ``best`` validation, latest ``stable``
 (validated without regression) and ``pre-large``, the version before the last large update.
 An update is *large* when, against its parent, the mean KL of next-token distributions on
 a fixed probe set exceeds ``keeper.large_update_kl`` or the relative weight change exceeds
 ``keeper.large_update_param_change`` (``gyre_async.rl.policy_distance``).
 
-When a version's validation regresses beyond noise (``gyre_async.keeper_rules``: at least
+When a version's validation regresses beyond noise (``gyre_async.core.keeper_rules``: at least
 ``min_regressed_metrics`` metrics below the best by more than ``noise_k`` binomial standard
 errors), the keeper restores the best slot (hash verified; a corrupt slot is reported as
 ``checkpoint-fault`` and the next slot is used: stable, then pre-large) and publishes a
@@ -39,10 +39,10 @@ from dataclasses import dataclass
 import structlog
 import torch
 
-from gyre_async.actor import Actor, Emit
+from gyre_async.runtime.actor import Actor, Emit
 from gyre_async.bus.reading import iter_topics
-from gyre_async.keeper_rules import is_better, judge
-from gyre_async.keeper_slots import Fault, Kept, KeptSlots
+from gyre_async.core.keeper_rules import is_better, judge
+from gyre_async.core.keeper_slots import Fault, Kept, KeptSlots
 from gyre_async.policy.factory import build_policy, build_tokenizer
 from gyre_async.rl.policy_distance import (
     policy_kl,

@@ -32,11 +32,11 @@ import numpy as np
 import torch
 
 from gyre_async import timing
-from gyre_async.actor import Actor, Emit
-from gyre_async.credit_log import restore_outcome_book
+from gyre_async.runtime.actor import Actor, Emit
+from gyre_async.audit.credit_log import restore_outcome_book
 from gyre_async.experience.elite import offer_trained, open_elite_pool, sample_for
-from gyre_async.redelivery import recently_trained
-from gyre_async.runlog import current_policy_version
+from gyre_async.audit.redelivery import recently_trained
+from gyre_async.audit.runlog import current_policy_version
 from gyre_async.policy.factory import build_policy, build_tokenizer, load_weights, save_weights
 from gyre_async.rl.advantages import segment_gae
 from gyre_async.rl.critic import CriticGuard, complete_returns
@@ -301,7 +301,7 @@ class Learner(Actor):
         self.dropped_steps = 0  # steps of every dropped segment: consumed, never trained
         self.learning_rate = cfg.learner.learning_rate
         self.done_trajectories: set[str] = set()
-        self.trained_before: set[str] = set()  # see gyre_async.redelivery
+        self.trained_before: set[str] = set()  # see gyre_async.audit.redelivery
         self.train_seconds = 0.0
         self.last_metrics: dict[str, float] = {}
         self._fusion_weights: list[float] = []

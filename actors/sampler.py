@@ -20,16 +20,16 @@ from __future__ import annotations
 import asyncio
 import uuid
 
-from gyre_async.actor import Actor, Emit
+from gyre_async.runtime.actor import Actor, Emit
 from gyre_async.bus.reading import iter_topics
-from gyre_async.runlog import current_policy_version
+from gyre_async.audit.runlog import current_policy_version
 from gyre_async.envs import make_env
 from gyre_async.envs.macros import step_fields, with_macros
 from gyre_async.policy.factory import build_acting_policy, build_tokenizer
 from gyre_async.policy.context import ContextBuilder
 from gyre_async.rl.exploration import exploration_stats, make_holder, sampling_params_at
 from gyre_async.rl.staleness import StalenessGate
-from gyre_async.rollout import ActionBatcher, StepRecord, run_episode
+from gyre_async.core.rollout import ActionBatcher, StepRecord, run_episode
 from schemas import decode, event_id
 from schemas.config import Config
 from schemas.events import EnvError, Milestone, PolicyVersion, TrajectoryStep

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from gyre_async import timing
-from gyre_async.actor import Actor, Emit
+from gyre_async.runtime.actor import Actor, Emit
 from gyre_async.bus.reading import iter_topics
 from gyre_async.envs.macros import env_steps_of
 from gyre_async.experience.retention import Retention, incoming_bytes

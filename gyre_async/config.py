@@ -9,7 +9,7 @@ import msgspec
 
 from schemas.config import Config
 
-from .errors import ConfigError
+from gyre_async.errors import ConfigError
 
 
 def load_config(path: str | os.PathLike | None) -> Config:

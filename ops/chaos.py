@@ -18,7 +18,7 @@ What it does:
    exists. A kill counts as mid-write only when the marker was seen;
 3. waits until training has gone on after the last kill (``--settle-versions`` new policy
    versions), stops the launcher with SIGTERM, and checks the invariants of
-   ``gyre_async.invariants`` on the event log, the Zarr store and the checkpoints.
+   ``gyre_async.audit.invariants`` on the event log, the Zarr store and the checkpoints.
 
 Kafka runs use Tansu: noida-db never expires a consumer-group member that died without
 leaving, so a SIGKILLed consumer would hold its group there forever.
@@ -52,7 +52,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "ops"))
 
-from gyre_async.launcher import read_status, wait_until
+from gyre_async.runtime.launcher import read_status, wait_until
 
 ROLES = ("sampler", "segmenter", "arbiter", "learner")
 AIMED = {"segmenter": "segment-write", "learner": "checkpoint-save"}
@@ -124,7 +124,7 @@ class Chaos:
                                                             os.environ.get("PYTHONPATH")])))
         with open(self.log_path, "w") as log:
             return subprocess.Popen(
-                [sys.executable, "-m", "gyre_async.launcher", str(cfg), "--bus", self.url,
+                [sys.executable, "-m", "gyre_async.runtime.launcher", str(cfg), "--bus", self.url,
                  "--status-file", str(self.status), "--max-restarts", "-1",
                  "--stop-timeout", "30", "--roles", ",".join(ROLES)],
                 cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -188,7 +188,7 @@ class Chaos:
 
 async def audit(url: str, run_id: str, run_dir: Path, max_staleness: int):
     from gyre_async.bus import open_bus
-    from gyre_async.invariants import check_run, read_run
+    from gyre_async.audit.invariants import check_run, read_run
 
     async with open_bus(url) as bus:
         run = await read_run(bus, run_id)

@@ -356,7 +356,7 @@ class KeeperConfig(Strict):
     (success rate, mean score, each milestone's rate)."""
     require_success_regression: bool = True
     """... and only when the success rate is one of them (partial-progress metrics dip on
-    their own early in training, while a policy narrows; see gyre_async/keeper_rules.py)."""
+    their own early in training, while a policy narrows; see gyre_async/core/keeper_rules.py)."""
     lr_cut: float = 0.5
     """Each rollback multiplies the learning rate by this factor."""
     large_update_kl: float = 0.05

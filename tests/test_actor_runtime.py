@@ -16,7 +16,7 @@ import msgspec
 import pytest
 
 from actors.echo import EchoActor
-from gyre_async.actor import ActorRunner
+from gyre_async.runtime.actor import ActorRunner
 from gyre_async.bus import open_bus
 from gyre_async.bus.reading import read_topics
 from schemas import decode, encode, event_id

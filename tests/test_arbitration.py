@@ -205,7 +205,7 @@ def test_failed_components_are_reported_never_zero(tmp_path):
 
 async def test_reward_failed_through_the_embedded_bus(tmp_path):
     from actors.arbiter import Arbiter
-    from gyre_async.actor import ActorRunner
+    from gyre_async.runtime.actor import ActorRunner
     from gyre_async.bus import open_bus
     from gyre_async.bus.reading import read_topics
     from schemas import decode
@@ -246,7 +246,7 @@ async def test_reward_failed_through_the_embedded_bus(tmp_path):
 
 async def test_a_trajectory_caught_farming_stays_caught_across_a_restart(tmp_path):
     from actors.arbiter import Arbiter
-    from gyre_async.actor import ActorRunner
+    from gyre_async.runtime.actor import ActorRunner
     from gyre_async.bus import open_bus
     from gyre_async.bus.reading import read_topics
     from schemas import decode

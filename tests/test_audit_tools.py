@@ -12,10 +12,10 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from gyre_async.archive import archive
+from gyre_async.audit.archive import archive
 from gyre_async.bus import open_bus
 from gyre_async.bus.reading import read_topics
-from gyre_async.loop import run_loop
+from gyre_async.runtime.loop import run_loop
 from schemas import decode, encode
 from schemas.topics import POLICY_VERSION, SCORED, SEGMENT_CLOSED, TRAJECTORY_STEP
 

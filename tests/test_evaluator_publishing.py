@@ -16,7 +16,7 @@ from pathlib import Path
 import msgspec
 
 from actors.evaluator import Evaluator
-from gyre_async.actor import ActorRunner
+from gyre_async.runtime.actor import ActorRunner
 from gyre_async.bus import open_bus
 from gyre_async.bus.reading import read_topics
 from gyre_async.config import load_config

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from actors.segmenter import Segmenter
-from gyre_async.actor import ActorRunner
+from gyre_async.runtime.actor import ActorRunner
 from gyre_async.bus import open_bus
 from gyre_async.bus.reading import read_topics
 from gyre_async.storage.checkpoints import CheckpointStore

@@ -25,10 +25,10 @@ import pytest
 import structlog
 
 from actors.echo import EchoActor
-from gyre_async.actor import ActorRunner
+from gyre_async.runtime.actor import ActorRunner
 from gyre_async.bus import open_bus
 from gyre_async.bus.reading import read_topics
-from gyre_async.launcher import (
+from gyre_async.runtime.launcher import (
     Launcher,
     Role,
     backoff_s,
@@ -36,7 +36,7 @@ from gyre_async.launcher import (
     read_status,
     wait_until,
 )
-from gyre_async.metrics import (
+from gyre_async.runtime.metrics import (
     actor_metrics,
     render,
     serve_actor_metrics,
@@ -82,7 +82,7 @@ def launch(tmp_path: Path, cfg: Path, bus: str, *extra: str) -> tuple[subprocess
     status = tmp_path / "status.json"
     with open(tmp_path / "launcher.log", "w") as log:  # the child keeps its own descriptor
         proc = subprocess.Popen(
-            [sys.executable, "-m", "gyre_async.launcher", str(cfg), "--bus", bus,
+            [sys.executable, "-m", "gyre_async.runtime.launcher", str(cfg), "--bus", bus,
              "--status-file", str(status), *extra],
             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     return proc, status

@@ -7,7 +7,7 @@ from __future__ import annotations
 import msgspec
 
 from actors.learner import Learner
-from gyre_async.actor import ActorRunner
+from gyre_async.runtime.actor import ActorRunner
 from gyre_async.bus import open_bus
 from gyre_async.bus.reading import read_topics
 from gyre_async.storage.segments import SegmentStore

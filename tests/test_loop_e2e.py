@@ -10,8 +10,8 @@ import msgspec
 from gyre_async.bus import open_bus
 from gyre_async.bus.reading import read_topics
 from gyre_async.config import load_config
-from gyre_async.invariants import check_run, read_run
-from gyre_async.loop import run_loop
+from gyre_async.audit.invariants import check_run, read_run
+from gyre_async.runtime.loop import run_loop
 from schemas import decode
 from schemas.topics import POLICY_VERSION
 
@@ -27,7 +27,7 @@ def tiny_config(run_dir: Path, **run):
 
 def run_invariants(url: str, run_dir: Path, max_staleness: int, run_id: str = "tiny",
                    exactly_once: bool = True) -> dict:
-    """The shared checker (gyre_async.invariants) over a run; asserts it is clean."""
+    """The shared checker (gyre_async.audit.invariants) over a run; asserts it is clean."""
     async def read():
         async with open_bus(url) as bus:
             return await read_run(bus, run_id)
@@ -56,7 +56,7 @@ def test_gyre_run_small_config_invariants(tmp_path):
 
 # One process per role: on the embedded bus tests/test_chaos.py runs the loop so, with every
 # role SIGKILLed once and restarted; on Kafka (noida-db) tests/test_broker_restart.py runs
-# it, with the broker restarted mid-run. Both check the invariants of gyre_async.invariants.
+# it, with the broker restarted mid-run. Both check the invariants of gyre_async.audit.invariants.
 
 
 def test_sync_mode_trains_on_current_version_only(tmp_path):

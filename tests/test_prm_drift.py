@@ -65,7 +65,7 @@ def test_agreement_metrics_match_slow_references(data):
 
 async def test_a_drifted_model_loses_its_weight_and_regains_it(tmp_path):
     from actors.arbiter import Arbiter
-    from gyre_async.actor import ActorRunner
+    from gyre_async.runtime.actor import ActorRunner
     from gyre_async.bus import open_bus
     from gyre_async.bus.reading import read_topics
 

@@ -27,8 +27,8 @@ import pytest
 
 from gyre_async.bus import open_bus
 from gyre_async.config import load_config
-from gyre_async.loop import run_loop
-from gyre_async.report import add_parser, build_report, run
+from gyre_async.runtime.loop import run_loop
+from gyre_async.ui.report import add_parser, build_report, run
 from schemas import encode
 from schemas.events import (
     DeadLetter,

@@ -13,7 +13,7 @@ from gyre_async.config import load_config
 from gyre_async.envs import register_env
 from gyre_async.envs.base import MAX_OBSERVATION_CHARS, Env, StepResult
 from gyre_async.envs.workshop import WorkshopEnv
-from gyre_async.loop import run_loop
+from gyre_async.runtime.loop import run_loop
 from schemas import decode
 from schemas.events import EnvError, SegmentClosed, TrajectoryStep
 from schemas.topics import SEGMENT_CLOSED, TRAJECTORY_STEP
@@ -91,7 +91,7 @@ def test_hung_and_crashing_envs_end_only_their_trajectory(tmp_path):
 
 def test_restarted_sampler_ends_trajectories_its_predecessor_left_open(tmp_path):
     from actors.sampler import Sampler
-    from gyre_async.actor import ActorRunner
+    from gyre_async.runtime.actor import ActorRunner
     from schemas import encode, event_id
     from schemas.topics import TRAJECTORY_STEP as TOPIC
 

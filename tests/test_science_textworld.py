@@ -11,7 +11,7 @@ import pytest
 import scienceworld  # noqa: F401 - the test extra installs both simulators
 import textworld  # noqa: F401
 
-from gyre_async.demonstrations import gold_demonstrations
+from gyre_async.offline.demonstrations import gold_demonstrations
 from gyre_async.envs import make_env
 from gyre_async.envs.scienceworld import parse_goal_progress
 

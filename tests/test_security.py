@@ -189,7 +189,7 @@ async def test_kafka_password_never_in_repr_errors_or_logs():
     import structlog
 
     from gyre_async.bus import BusError, open_bus
-    from gyre_async.logs import configure_logging
+    from gyre_async.runtime.logs import configure_logging
 
     stream = io.StringIO()
     configure_logging("DEBUG", stream=stream)

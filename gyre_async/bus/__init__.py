@@ -4,8 +4,8 @@
 - ``kafka://host:port[,host:port]?security_protocol=SSL&...``: aiokafka on a Kafka cluster.
 """
 
-from .base import Bus, BusError, Consumer, MessageTooLarge, Record, TopicInfo, partition_for
-from .url import open_bus
+from gyre_async.bus.base import Bus, BusError, Consumer, MessageTooLarge, Record, TopicInfo, partition_for
+from gyre_async.bus.url import open_bus
 
 __all__ = [
     "Bus", "BusError", "Consumer", "MessageTooLarge", "Record", "TopicInfo", "open_bus",

@@ -27,8 +27,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, TypeVar
 
-from .. import timing
-from .base import Bus, BusError, Consumer, Record, TopicInfo, TopicPartition, partition_for
+from gyre_async import timing
+from gyre_async.bus.base import Bus, BusError, Consumer, Record, TopicInfo, TopicPartition, partition_for
 
 T = TypeVar("T")
 

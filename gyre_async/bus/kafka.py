@@ -67,16 +67,16 @@ from aiokafka.protocol.offset import OffsetRequest
 from aiokafka.protocol.transaction import InitProducerIdRequest
 from aiokafka.structs import TopicPartition as KafkaTP
 
-from .base import (
+from gyre_async.bus.base import (
     Bus,
     BusError,
     MessageTooLarge,
     TopicInfo,
     partition_for,
 )
-from .kafka_compat import apply as _apply_aiokafka_fixes
-from .kafka_errors import RETRIABLE, bus_error, raise_for_code
-from .kafka_members import KafkaConsumer, KafkaReader
+from gyre_async.bus.kafka_compat import apply as _apply_aiokafka_fixes
+from gyre_async.bus.kafka_errors import RETRIABLE, bus_error, raise_for_code
+from gyre_async.bus.kafka_members import KafkaConsumer, KafkaReader
 
 log = structlog.get_logger(__name__)
 _apply_aiokafka_fixes()  # uvloop's closed-transport RuntimeError (see kafka_compat.py)

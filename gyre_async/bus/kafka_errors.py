@@ -13,7 +13,7 @@ from aiokafka.errors import (
     for_code,
 )
 
-from .base import BusError
+from gyre_async.bus.base import BusError
 
 RETRIABLE = (KafkaConnectionError, KafkaTimeoutError, NodeNotReadyError, RequestTimedOutError,
               CommitFailedError, asyncio.TimeoutError, ConnectionError)

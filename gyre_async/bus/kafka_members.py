@@ -15,11 +15,11 @@ from aiokafka.errors import KafkaError
 from aiokafka.structs import OffsetAndMetadata
 from aiokafka.structs import TopicPartition as KafkaTP
 
-from .base import BusError, Consumer, Record, TopicPartition
-from .kafka_errors import bus_error
+from gyre_async.bus.base import BusError, Consumer, Record, TopicPartition
+from gyre_async.bus.kafka_errors import bus_error
 
 if TYPE_CHECKING:
-    from .kafka import KafkaBus
+    from gyre_async.bus.kafka import KafkaBus
 
 log = structlog.get_logger("gyre_async.bus.kafka")
 

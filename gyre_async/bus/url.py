@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from urllib.parse import parse_qsl, urlparse
 
-from .base import Bus
+from gyre_async.bus.base import Bus
 
 
 def open_bus(url: str, **options: object) -> Bus:
@@ -17,7 +17,7 @@ def open_bus(url: str, **options: object) -> Bus:
     parsed = urlparse(url)
     scheme = parsed.scheme or ("sqlite" if url.endswith(".db") else "")
     if scheme == "sqlite":
-        from .embedded import EmbeddedBus
+        from gyre_async.bus.embedded import EmbeddedBus
 
         if url.startswith("sqlite:///"):
             path = url[len("sqlite:///"):]  # sqlite:///rel/x.db -> rel/x.db; //// -> /abs
@@ -27,7 +27,7 @@ def open_bus(url: str, **options: object) -> Bus:
             path = url
         return EmbeddedBus(path, **options)  # type: ignore[arg-type]
     if scheme == "kafka":
-        from .kafka import KafkaBus
+        from gyre_async.bus.kafka import KafkaBus
 
         if "@" in parsed.netloc:  # never echo the URL: it holds a secret
             raise ValueError("kafka:// URL with user:password@ in it: pass credentials as "

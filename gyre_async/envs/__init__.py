@@ -14,7 +14,7 @@
   imported only when such an environment is built.
 """
 
-from .base import (
+from gyre_async.envs.base import (
     MAX_OBSERVATION_CHARS,
     Env,
     EnvFailure,
@@ -25,12 +25,12 @@ from .base import (
     register_env,
     registered_envs,
 )
-from .subprocess_env import EnvProcessError, SubprocessEnv
-from . import scienceworld as _scienceworld  # noqa: F401 - registers "scienceworld"
-from . import textworld_env as _textworld  # noqa: F401 - registers "textworld"
-from . import twx as _twx  # noqa: F401 - registers "twx"
-from .text_games import TextGameEnv, game_vocabulary, is_text_game
-from .workshop import (
+from gyre_async.envs.subprocess_env import EnvProcessError, SubprocessEnv
+from gyre_async.envs import scienceworld as _scienceworld  # noqa: F401 - registers "scienceworld"
+from gyre_async.envs import textworld_env as _textworld  # noqa: F401 - registers "textworld"
+from gyre_async.envs import twx as _twx  # noqa: F401 - registers "twx"
+from gyre_async.envs.text_games import TextGameEnv, game_vocabulary, is_text_game
+from gyre_async.envs.workshop import (
     ACTION_WORDS,
     ACTIONS,
     FARMING_ACTIONS,

@@ -144,7 +144,7 @@ def make_env(name: str, **config: Any) -> Env:
     ``make_kwargs`` to ``gymnasium.make``).
     """
     if name.startswith("gym:"):
-        from .gym_adapter import make_gym_env
+        from gyre_async.envs.gym_adapter import make_gym_env
 
         return make_gym_env(name[len("gym:"):], **config)
     try:

@@ -28,7 +28,7 @@ from typing import Any
 
 from schemas.events import Milestone
 
-from .base import Env, StepResult
+from gyre_async.envs.base import Env, StepResult
 
 
 def _normalise(text: str) -> str:

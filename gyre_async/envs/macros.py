@@ -58,8 +58,8 @@ from typing import Any
 
 from schemas.events import MAX_PRIMITIVES_PER_STEP, PrimitiveStep, TrajectoryStep
 
-from ..imports import import_callable
-from .base import Env, StepResult
+from gyre_async.imports import import_callable
+from gyre_async.envs.base import Env, StepResult
 
 #: ``(observation, steps_done) -> next env action, or None when the sub-goal is met``.
 MacroScript = Callable[[str, int], "str | None"]

@@ -25,9 +25,9 @@ import os
 import re
 import threading
 
-from .cache import cache_dir
-from .jvm import new_interface
-from .text_games import TextGameEnv, Turn, register_text_game
+from gyre_async.envs.cache import cache_dir
+from gyre_async.envs.jvm import new_interface
+from gyre_async.envs.text_games import TextGameEnv, Turn, register_text_game
 
 _GOAL = re.compile(r"^(\d+)\t(true|false)\t\s*(\S+)\t(.*)$")
 _variations: dict[tuple[str, str, str], list[int]] = {}
@@ -123,7 +123,7 @@ class ScienceWorldEnv(TextGameEnv):
         self._server.load(task, variation, self.simplification, True)
         gold = [str(a) for a in self._server.getGoldActionSequence()]
         self._server.load(task, variation, self.simplification, False)
-        from ..policy.base import write_atomic
+        from gyre_async.policy.base import write_atomic
 
         write_atomic(path, json.dumps(gold).encode())
         return gold

@@ -37,7 +37,7 @@ import msgspec
 
 from schemas.events import Milestone
 
-from .base import Env, StepResult, make_env, register_env
+from gyre_async.envs.base import Env, StepResult, make_env, register_env
 
 MAX_LINE_BYTES = 16 << 20
 _CHILD = ("import sys; from gyre_async.envs.subprocess_env import child_main; "

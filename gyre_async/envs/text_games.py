@@ -34,7 +34,7 @@ from typing import Any, Literal
 
 from schemas.events import Milestone
 
-from .base import Env, StepResult, register_env
+from gyre_async.envs.base import Env, StepResult, register_env
 
 AdmissibleMode = Literal["off", "hint", "snap"]
 _WORD = re.compile(r"[a-z_']+|\d|[^\sa-z\d]")
@@ -234,8 +234,8 @@ def game_vocabulary(env_name: str, env_config: dict[str, Any] | None = None,
     import json
     import os
 
-    from .cache import cache_dir
-    from ..policy.base import write_atomic
+    from gyre_async.envs.cache import cache_dir
+    from gyre_async.policy.base import write_atomic
 
     config = dict(env_config or {})
     n = int(config.pop("vocab_episodes", episodes_per_split or 40))

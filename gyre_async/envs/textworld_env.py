@@ -18,8 +18,8 @@ import sys
 import threading
 import warnings
 
-from .cache import cache_dir
-from .text_games import TextGameEnv, Turn, register_text_game
+from gyre_async.envs.cache import cache_dir
+from gyre_async.envs.text_games import TextGameEnv, Turn, register_text_game
 
 _generate_lock = threading.Lock()
 #: TextWorld runs games on jericho's Z-machine, a C library with process-global state: calls

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import json
 
-from .jvm import new_interface
-from .text_games import TextGameEnv, Turn, register_text_game
+from gyre_async.envs.jvm import new_interface
+from gyre_async.envs.text_games import TextGameEnv, Turn, register_text_game
 
 
 class TextWorldExpressEnv(TextGameEnv):

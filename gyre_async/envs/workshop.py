@@ -51,7 +51,7 @@ import msgspec
 
 from schemas.events import Milestone
 
-from .base import Env, StepResult, register_env
+from gyre_async.envs.base import Env, StepResult, register_env
 
 RECIPES: dict[str, dict[str, int]] = {
     "axe": {"wood": 2, "ingot": 1},

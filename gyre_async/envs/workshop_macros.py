@@ -19,8 +19,8 @@ See :mod:`.macros` for how calls expand and how steps are counted.
 
 from __future__ import annotations
 
-from .macros import Macro
-from .workshop import RECIPES
+from gyre_async.envs.macros import Macro
+from gyre_async.envs.workshop import RECIPES
 
 
 def gather_sequence(item: str) -> tuple[str, ...]:

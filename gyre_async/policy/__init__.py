@@ -6,7 +6,7 @@ worker thread, the learner calls :meth:`Policy.evaluate`. Backends: :class:`Torc
 needs ``transformers``) and ``vllm_policy.VLLMPolicy`` (acting only, needs ``vllm``).
 """
 
-from .base import (
+from gyre_async.policy.base import (
     Action,
     CheckpointMismatch,
     EvalOutput,
@@ -15,8 +15,8 @@ from .base import (
     read_checkpoint,
     write_atomic,
 )
-from .context import ContextBuilder, summarize_milestones
-from .tokenizer import (
+from gyre_async.policy.context import ContextBuilder, summarize_milestones
+from gyre_async.policy.tokenizer import (
     SPECIAL_TOKENS,
     BaseTokenizer,
     ByteTokenizer,
@@ -24,7 +24,7 @@ from .tokenizer import (
     tokenizer_for_env,
     tokenizer_from_json,
 )
-from .torch_policy import CausalLMPolicy, ModelConfig, TinyTransformer, TorchPolicy
+from gyre_async.policy.torch_policy import CausalLMPolicy, ModelConfig, TinyTransformer, TorchPolicy
 
 __all__ = [
     "Action", "BaseTokenizer", "ByteTokenizer", "CausalLMPolicy", "CheckpointMismatch",

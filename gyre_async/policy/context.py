@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .tokenizer import BaseTokenizer
+from gyre_async.policy.tokenizer import BaseTokenizer
 
 
 class ContextBuilder:

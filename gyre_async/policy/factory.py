@@ -13,16 +13,16 @@ from __future__ import annotations
 
 from schemas.config import Config
 
-from ..storage.checkpoints import VERSION_KEY, CheckpointStore
-from .base import Policy
-from .tokenizer import BaseTokenizer, tokenizer_for_env
-from .torch_policy import ModelConfig, TorchPolicy
+from gyre_async.storage.checkpoints import VERSION_KEY, CheckpointStore
+from gyre_async.policy.base import Policy
+from gyre_async.policy.tokenizer import BaseTokenizer, tokenizer_for_env
+from gyre_async.policy.torch_policy import ModelConfig, TorchPolicy
 
 
 def model_path(cfg: Config) -> str:
     """The local model directory of the ``hf``/``vllm`` backends (converting SmolLM2 once)."""
     if cfg.policy.model == "smollm2":
-        from .smollm2 import ensure_converted
+        from gyre_async.policy.smollm2 import ensure_converted
 
         return str(ensure_converted())
     return cfg.policy.model
@@ -34,7 +34,7 @@ def build_tokenizer(cfg: Config) -> BaseTokenizer:
 
         return tokenizer_for_env(cfg.task.env, macro_words(cfg.macros),
                                  cfg.task.env_config)
-    from .hf_policy import HFTokenizer
+    from gyre_async.policy.hf_policy import HFTokenizer
 
     return HFTokenizer.from_pretrained(model_path(cfg))
 
@@ -63,7 +63,7 @@ def build_policy(cfg: Config, tokenizer: BaseTokenizer | None = None) -> Policy:
     tokenizer = tokenizer or build_tokenizer(cfg)
     P = cfg.policy
     if P.backend != "tiny":
-        from .hf_policy import HFPolicy
+        from gyre_async.policy.hf_policy import HFPolicy
 
         return HFPolicy.from_pretrained(model_path(cfg), tokenizer=tokenizer, seed=cfg.run.seed)
     config = ModelConfig(
@@ -83,7 +83,7 @@ def build_acting_policy(cfg: Config, tokenizer: BaseTokenizer | None = None) -> 
         raise ValueError("sampler.exploration.param_noise_target_kl perturbs the sampler's torch "
                          "weights, which a vLLM engine does not expose: set it to 0 or use "
                          "policy.backend = 'hf'")
-    from .vllm_policy import VLLMPolicy
+    from gyre_async.policy.vllm_policy import VLLMPolicy
 
     P = cfg.policy
     return VLLMPolicy(model_path(cfg), tokenizer or build_tokenizer(cfg), seed=cfg.run.seed,

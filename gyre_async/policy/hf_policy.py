@@ -35,8 +35,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .tokenizer import BaseTokenizer
-from .torch_policy import CausalLMPolicy
+from gyre_async.policy.tokenizer import BaseTokenizer
+from gyre_async.policy.torch_policy import CausalLMPolicy
 
 SYSTEM_PROMPT = "You are playing a text adventure game. Reply with one command."
 CHATML_MARKERS = {

@@ -116,7 +116,7 @@ def tokenizer_from_json(text: str) -> Tokenizer:
     if spec.get("kind") == "byte":
         return ByteTokenizer()
     if spec.get("kind") == "hf":
-        from .hf_policy import HFTokenizer
+        from gyre_async.policy.hf_policy import HFTokenizer
 
         return HFTokenizer.from_pretrained(spec["path"])
     raise ValueError(f"unknown tokenizer kind {spec.get('kind')!r}")

@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import Action, CheckpointMismatch, EvalOutput, Policy, SamplingParams, read_checkpoint
-from .tokenizer import BaseTokenizer, tokenizer_from_json
+from gyre_async.policy.base import Action, CheckpointMismatch, EvalOutput, Policy, SamplingParams, read_checkpoint
+from gyre_async.policy.tokenizer import BaseTokenizer, tokenizer_from_json
 
 
 class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

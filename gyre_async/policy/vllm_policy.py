@@ -45,9 +45,9 @@ from typing import Any
 
 import torch
 
-from .base import Action, CheckpointMismatch, EvalOutput, Policy, SamplingParams, read_checkpoint
-from .hf_policy import VALUE_HEAD
-from .tokenizer import BaseTokenizer
+from gyre_async.policy.base import Action, CheckpointMismatch, EvalOutput, Policy, SamplingParams, read_checkpoint
+from gyre_async.policy.hf_policy import VALUE_HEAD
+from gyre_async.policy.tokenizer import BaseTokenizer
 
 CONFIG_FILES = ("config.json", "generation_config.json")
 EMBEDDING, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"

@@ -49,11 +49,11 @@ from schemas import event_id
 from schemas.config import ArbiterConfig
 from schemas.events import RewardFailed, Scored, SegmentClosed
 
-from .guards import (
+from gyre_async.rewards.guards import (
     NEW_TRAJECTORY, FarmState, SafetyRules, Verdict, cheap_steps, farming_verdict, unproven_claims,
 )
-from .prm import ProcessReward
-from .rules import RuleFailed, RuleSet
+from gyre_async.rewards.prm import ProcessReward
+from gyre_async.rewards.rules import RuleFailed, RuleSet
 
 LEVELS = ("guard", "outcome", "milestone", "rule", "prm", "none")
 

@@ -35,8 +35,8 @@ from schemas import event_id
 from schemas.config import ArbiterConfig
 from schemas.events import DriftReport
 
-from ..jsonl import read_jsonl
-from .prm import ProcessReward, ProcessRewardModel
+from gyre_async.storage.jsonl import read_jsonl
+from gyre_async.rewards.prm import ProcessReward, ProcessRewardModel
 
 
 @dataclass(frozen=True)

@@ -50,8 +50,8 @@ from dataclasses import dataclass
 from schemas.config import ArbiterConfig, RuleSpec
 from schemas.events import Milestone, SegmentClosed
 
-from .plugins import Registry
-from .rules import RuleFailed
+from gyre_async.rewards.plugins import Registry
+from gyre_async.rewards.rules import RuleFailed
 
 SafetyRule = Callable[[SegmentClosed], "str | None"]
 

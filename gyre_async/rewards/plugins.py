@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..imports import import_callable
+from gyre_async.imports import import_callable
 
 
 class RuleConfigError(ValueError):

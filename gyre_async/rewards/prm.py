@@ -42,7 +42,7 @@ from torch import nn
 
 from schemas.events import SegmentClosed
 
-from ..jsonl import RowError, read_jsonl
+from gyre_async.storage.jsonl import RowError, read_jsonl
 
 FORMAT = "gyre-prm"
 VERSION = "1"

@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from schemas.config import RuleSpec
 from schemas.events import SegmentClosed
 
-from .plugins import Registry
+from gyre_async.rewards.plugins import Registry
 
 Rule = Callable[[SegmentClosed], Sequence[float]]
 

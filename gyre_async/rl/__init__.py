@@ -1,13 +1,13 @@
 """RL math for the learner: pure functions over tensors, each with a slow reference twin."""
 
-from .advantages import (
+from gyre_async.rl.advantages import (
     fuse_advantages,
     fusion_weight,
     group_outcome_advantage,
     segment_gae,
 )
-from .ppo import broadcast_step_advantages, entropy_bonus, ppo_policy_loss, value_loss
-from .staleness import StalenessGate
+from gyre_async.rl.ppo import broadcast_step_advantages, entropy_bonus, ppo_policy_loss, value_loss
+from gyre_async.rl.staleness import StalenessGate
 
 __all__ = [
     "StalenessGate",

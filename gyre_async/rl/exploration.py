@@ -38,11 +38,11 @@ import torch
 
 from schemas.config import Config
 
-from .. import timing
-from ..policy.base import Policy, SamplingParams
-from ..policy.factory import load_weights
-from ..rollout import PolicyHolder
-from .policy_distance import policy_kl
+from gyre_async import timing
+from gyre_async.policy.base import Policy, SamplingParams
+from gyre_async.policy.factory import load_weights
+from gyre_async.core.rollout import PolicyHolder
+from gyre_async.rl.policy_distance import policy_kl
 
 
 def anneal(start: float, end: float, progress: float, shape: str = "linear") -> float:

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from ..errors import GyreError
+from gyre_async.errors import GyreError
 
 FIX_HINT = ("fix: check the segment store for corrupt data and the policy for diverged "
             "weights (roll back to the last good checkpoint, lower learner.learning_rate)")

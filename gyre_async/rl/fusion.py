@@ -45,7 +45,7 @@ from typing import Literal
 
 import torch
 
-from .advantages import fuse_advantages, fusion_weight, group_outcome_advantage
+from gyre_async.rl.advantages import fuse_advantages, fusion_weight, group_outcome_advantage
 
 CreditMode = Literal["fusion", "gae", "outcome"]
 

@@ -93,7 +93,7 @@ async def probe_contexts(cfg: Config, tokenizer, n: int, seed_start: int) -> lis
     """
     from gyre_async.envs import make_env
     from gyre_async.policy.context import ContextBuilder
-    from gyre_async.rollout import milestone_summary
+    from gyre_async.core.rollout import milestone_summary
 
     builder = ContextBuilder(tokenizer, cfg.policy.context_tokens, cfg.policy.history_turns)
 

@@ -3,7 +3,7 @@ addresses and hashes. Both stores take a local path, ``file://`` or an fsspec UR
 
 from typing import TYPE_CHECKING, Any
 
-from .errors import (
+from gyre_async.storage.errors import (
     CheckpointCorrupt,
     CheckpointError,
     SegmentConflict,
@@ -12,17 +12,17 @@ from .errors import (
     SegmentStoreError,
     StorageError,
 )
-from .group_commit import GroupCommitWriter
-from .segments import SegmentRef, SegmentStore
+from gyre_async.storage.group_commit import GroupCommitWriter
+from gyre_async.storage.segments import SegmentRef, SegmentStore
 
 if TYPE_CHECKING:
-    from .checkpoints import CheckpointRef, CheckpointStore
+    from gyre_async.storage.checkpoints import CheckpointRef, CheckpointStore
 
 
 def __getattr__(name: str) -> Any:
     # Lazy: the checkpoint store needs torch; segment readers and writers do not.
     if name in ("CheckpointRef", "CheckpointStore"):
-        from . import checkpoints
+        from gyre_async.storage import checkpoints
 
         return getattr(checkpoints, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from .segments import SegmentStore
+from gyre_async.storage.segments import SegmentStore
 
 
 def synthetic_segment(rng: np.random.Generator, steps: int = 32, context: int = 64,

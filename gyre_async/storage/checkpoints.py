@@ -34,9 +34,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load as st_load
 
-from ..faultpoints import pause_point
-from .errors import CheckpointCorrupt, CheckpointError, as_storage_full
-from .urls import fsync_dir, fsync_paths, normalize_store_url
+from gyre_async.faultpoints import pause_point
+from gyre_async.storage.errors import CheckpointCorrupt, CheckpointError, as_storage_full
+from gyre_async.storage.urls import fsync_dir, fsync_paths, normalize_store_url
 
 __all__ = ["CheckpointCorrupt", "CheckpointError", "CheckpointRef", "CheckpointStore"]
 

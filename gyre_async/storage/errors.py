@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import errno
 
-from ..errors import GyreError, OutOfSpace
+from gyre_async.errors import GyreError, OutOfSpace
 
 
 class StorageError(GyreError):

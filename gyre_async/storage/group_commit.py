@@ -15,7 +15,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from .segments import SegmentRef, SegmentStore
+from gyre_async.storage.segments import SegmentRef, SegmentStore
 
 
 class GroupCommitWriter:

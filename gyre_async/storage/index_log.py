@@ -16,8 +16,8 @@ from typing import Any
 from zarr.core.buffer import default_buffer_prototype
 from zarr.core.sync import sync
 
-from .errors import SegmentStoreError
-from .segment_index import (
+from gyre_async.storage.errors import SegmentStoreError
+from gyre_async.storage.segment_index import (
     INDEX_PREFIX,
     IndexPage,
     IndexState,
@@ -28,7 +28,7 @@ from .segment_index import (
     parse_index_key,
     snapshot_key,
 )
-from .urls import fsync_paths
+from gyre_async.storage.urls import fsync_paths
 
 PROTO = default_buffer_prototype()
 

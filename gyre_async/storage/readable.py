@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from .errors import SegmentStoreError
-from .segments import SegmentStore
+from gyre_async.storage.errors import SegmentStoreError
+from gyre_async.storage.segments import SegmentStore
 
 
 def unreadable_segments(store: SegmentStore, addresses: Iterable[str]) -> dict[str, str]:

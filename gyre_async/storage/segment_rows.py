@@ -13,7 +13,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from .segment_index import Placement
+from gyre_async.storage.segment_index import Placement
 
 
 def bucket(n: int) -> int:

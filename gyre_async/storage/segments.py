@@ -50,16 +50,16 @@ from zarr.core.sync import sync
 from zarr.errors import ArrayNotFoundError, NodeNotFoundError
 from zarr.storage import FsspecStore, LocalStore
 
-from ..faultpoints import pause_point
-from .errors import (
+from gyre_async.faultpoints import pause_point
+from gyre_async.storage.errors import (
     SegmentConflict,
     SegmentCorrupt,
     SegmentNotFound,
     SegmentStoreError,
     as_storage_full,
 )
-from .index_log import IndexLog, delete_keys
-from .segment_index import (
+from gyre_async.storage.index_log import IndexLog, delete_keys
+from gyre_async.storage.segment_index import (
     IndexPage,
     IndexState,
     Placement,
@@ -68,8 +68,8 @@ from .segment_index import (
     check_segment_id,
     content_hash,
 )
-from .segment_rows import array_path, as_rows, coalesce, dead_chunks, from_rows
-from .urls import fsync_paths, normalize_store_url
+from gyre_async.storage.segment_rows import array_path, as_rows, coalesce, dead_chunks, from_rows
+from gyre_async.storage.urls import fsync_paths, normalize_store_url
 
 __all__ = [
     "SegmentConflict",

@@ -40,7 +40,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer  # noqa: E402
 
 from gyre_async.bus import open_bus  # noqa: E402
 from gyre_async.bus.kafka import KafkaBus  # noqa: E402
-from gyre_async.logs import configure_logging  # noqa: E402
+from gyre_async.runtime.logs import configure_logging  # noqa: E402
 from schemas import encode, event_id  # noqa: E402
 from schemas.events import TrajectoryStep  # noqa: E402
 

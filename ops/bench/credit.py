@@ -1,7 +1,7 @@
 """Credit assignment: which advantage learns the workshop in the fewest environment steps.
 
 Four variants, the same task, policy, optimiser and environment-step budget, 3 seeds each,
-each a real run of the loop (``gyre_async.loop.run_loop``) on the embedded bus:
+each a real run of the loop (``gyre_async.runtime.loop.run_loop``) on the embedded bus:
 
 outcome_only        GRPO: every step's advantage is its trajectory's outcome normalised
                     in its group (``credit = "outcome"``, no milestone rewards); trains
@@ -41,7 +41,7 @@ import msgspec
 from gyre_async.bus import open_bus
 from gyre_async.bus.reading import iter_topics
 from gyre_async.config import load_config
-from gyre_async.loop import run_loop
+from gyre_async.runtime.loop import run_loop
 from schemas import decode
 from schemas.events import EvalResult, PolicyVersion, TrajectoryStep
 from schemas.topics import EVAL, POLICY_VERSION, TRAJECTORY_STEP

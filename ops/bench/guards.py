@@ -1,6 +1,6 @@
 """Guards: with them off the policy learns to farm; with them on it does not.
 
-Both runs train the quickstart policy through the real loop (``gyre_async.loop.run_loop``)
+Both runs train the quickstart policy through the real loop (``gyre_async.runtime.loop.run_loop``)
 on the same workshop task, with a naive shaping rule that pays the environment's raw
 feedback (``[[arbiter.rules]] name = "env_feedback"``). That feedback pays the farming
 actions (``polish tools``, ``sweep floor``, ``sell <material>``: they never advance the
@@ -29,8 +29,8 @@ import msgspec
 
 from gyre_async.bus import open_bus
 from gyre_async.config import bus_url, load_config
-from gyre_async.loop import run_loop
-from gyre_async.runlog import load_runlog
+from gyre_async.runtime.loop import run_loop
+from gyre_async.audit.runlog import load_runlog
 from schemas.config import RuleSpec
 
 ROOT = Path(__file__).resolve().parents[2]

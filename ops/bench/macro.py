@@ -35,7 +35,7 @@ from gyre_async.bus import open_bus
 from gyre_async.bus.reading import iter_topics
 from gyre_async.config import bus_url, load_config
 from gyre_async.envs.macros import env_steps_of
-from gyre_async.loop import run_loop
+from gyre_async.runtime.loop import run_loop
 from schemas import decode
 from schemas.events import EvalResult, TrajectoryStep
 from schemas.topics import EVAL, TRAJECTORY_STEP

@@ -25,7 +25,7 @@ import msgspec
 
 from gyre_async import timing
 from gyre_async.config import load_config
-from gyre_async.loop import run_loop
+from gyre_async.runtime.loop import run_loop
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -29,9 +29,9 @@ import msgspec
 
 from gyre_async.bus import open_bus
 from gyre_async.bus.reading import read_topics
-from gyre_async.keeper_rules import judge
-from gyre_async.loop import run_loop
-from gyre_async.topology import RUN_ROLES
+from gyre_async.core.keeper_rules import judge
+from gyre_async.runtime.loop import run_loop
+from gyre_async.runtime.topology import RUN_ROLES
 from schemas import decode
 from schemas.config import (
     Config, EvaluatorConfig, KeeperConfig, LearnerConfig, LoopSection, PolicySection,

@@ -24,11 +24,11 @@ from schemas.config import Config
 from schemas.events import EvalResult, Heartbeat, PolicyVersion, SegmentClosed
 from schemas.topics import ALL_TOPICS, EVAL, POLICY_VERSION, SEGMENT_CLOSED, TELEMETRY
 
-from .actor import ActorRunner
-from .bus.reading import iter_topics
-from .runlog import current_policy_version, load_runlog, plot_learning_curve, summarize, write_metrics
-from .runtime import install_stop_signals, open_run_bus
-from .topology import RUN_ROLES, build_actor
+from gyre_async.runtime.actor import ActorRunner
+from gyre_async.bus.reading import iter_topics
+from gyre_async.audit.runlog import current_policy_version, load_runlog, plot_learning_curve, summarize, write_metrics
+from gyre_async.runtime.process import install_stop_signals, open_run_bus
+from gyre_async.runtime.topology import RUN_ROLES, build_actor
 
 log = structlog.get_logger(__name__)
 

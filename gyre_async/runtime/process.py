@@ -11,10 +11,10 @@ import structlog
 
 from schemas.config import Config
 
-from .actor import ActorRunner
-from .bus import Bus, open_bus
-from .config import bus_url
-from .topology import build_actor
+from gyre_async.runtime.actor import ActorRunner
+from gyre_async.bus import Bus, open_bus
+from gyre_async.config import bus_url
+from gyre_async.runtime.topology import build_actor
 
 T = TypeVar("T")
 log = structlog.get_logger(__name__)
@@ -86,7 +86,7 @@ async def run_actor(role: str, cfg: Config, bus_override: str | None = None,
                              partitions=cfg.bus.partitions)
         install_stop_signals(runner.stop)
         if metrics_port:
-            from .metrics import serve_actor_metrics
+            from gyre_async.runtime.metrics import serve_actor_metrics
 
             serve_actor_metrics(runner, metrics_port)
         await runner.run()

@@ -7,7 +7,7 @@ machine, or in a container running the whole loop, nothing else supervises the r
 a crashed role that nobody restarts stalls the loop silently (its input queues up on the
 bus, the learner stops publishing versions, the sampler pauses on staleness).
 
-Restarting is safe because of the actor runtime's contract (see ``gyre_async.actor``): a
+Restarting is safe because of the actor runtime's contract (see ``gyre_async.runtime.actor``): a
 role commits input offsets only after its outputs are durable and never past state it still
 holds in memory, so a restarted process resumes from its group's committed offsets and
 rebuilds the rest from its own output topics.
@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from .topology import CORE_ROLES, ROLES
+from gyre_async.runtime.topology import CORE_ROLES, ROLES
 
 log = structlog.get_logger(__name__)
 
@@ -311,7 +311,7 @@ def wait_until(what: str, predicate, timeout: float, every: float = 0.2):
 
 def run(args) -> int:
     """``gyre launch``: validate the config and roles, then supervise until done or stopped."""
-    from .config import load_config
+    from gyre_async.config import load_config
 
     load_config(args.config)  # a ConfigError here beats four crash-looping children
     names = [r.strip() for r in args.roles.split(",") if r.strip()]
@@ -328,9 +328,9 @@ def run(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m gyre_async.launcher CONFIG ...`` (same options as ``gyre launch``)."""
-    from .errors import ConfigError
-    from .logs import configure_logging
+    """``python -m gyre_async.runtime.launcher CONFIG ...`` (same options as ``gyre launch``)."""
+    from gyre_async.errors import ConfigError
+    from gyre_async.runtime.logs import configure_logging
 
     parser = argparse.ArgumentParser(prog="gyre")
     parser.add_argument("--log-level", default="WARNING", help="structlog level")

@@ -24,7 +24,7 @@ def add_parser(sub) -> None:
         "export", help="write a run's successful trajectories as demonstrations (JSONL)",
         description="Read the run's trajectory-step events, keep complete successful "
         "trajectories, replay each in the environment to recover and verify observations, "
-        "and write them in the demonstration format (gyre_async/demonstrations.py).")
+        "and write them in the demonstration format (gyre_async/offline/demonstrations.py).")
     ex.add_argument("config", help="the run's TOML config")
     ex.add_argument("--out", required=True, help="output JSONL file")
     ex.add_argument("--run-dir", help="override run.run_dir")
@@ -46,12 +46,12 @@ def add_parser(sub) -> None:
 
 
 def run(args, cfg) -> int:
-    from .runtime import run_main
+    from gyre_async.runtime.process import run_main
 
     if args.command == "warmstart":
         import msgspec
 
-        from .warmstart import warmstart
+        from gyre_async.offline.warmstart import warmstart
 
         if args.demonstrations:
             cfg = msgspec.structs.replace(cfg, warmstart=msgspec.structs.replace(
@@ -60,7 +60,7 @@ def run(args, cfg) -> int:
         print(json.dumps(summary, indent=2))
         return 0
     if args.command == "export":
-        from .export import export_run
+        from gyre_async.offline.export import export_run
 
         summary = run_main(lambda: export_run(cfg, args.out, bus_override=args.bus,
                                               min_score=args.min_score, limit=args.limit))
@@ -78,7 +78,7 @@ async def _request(cfg, args) -> int:
     from schemas.events import EvalRequest
     from schemas.topics import ALL_TOPICS, EVAL_REQUEST
 
-    from .runtime import open_run_bus
+    from gyre_async.runtime.process import open_run_bus
 
     event = EvalRequest(event_id=event_id("eval-request", cfg.run.run_id, args.version,
                                           args.greedy, time.time()),

@@ -1,6 +1,6 @@
 """The figures of ``gyre report`` (one function per section) and the page's style sheet.
 
-Each function takes the :class:`gyre_async.report.ReportData` read from the event log and
+Each function takes the :class:`gyre_async.ui.report.ReportData` read from the event log and
 returns None when the run has nothing to show for that section (the page then says "no
 data"); a figure whose panels are partly empty says so inside the empty panel. Rollbacks
 (``PolicyVersion.reason == "rollback"``) are drawn as red dotted vertical lines.
@@ -16,7 +16,7 @@ import numpy as np
 from matplotlib.ticker import MaxNLocator
 
 if TYPE_CHECKING:
-    from .report import ReportData
+    from gyre_async.ui.report import ReportData
 
 ROLLBACK = {"color": "crimson", "linestyle": ":", "linewidth": 1.5}
 BOUNDARIES = ("milestone", "state-change", "max-length", "trajectory-end")

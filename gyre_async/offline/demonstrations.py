@@ -12,7 +12,7 @@ Format: JSON Lines, one episode per line (``format`` names the version)::
   the names of those the action reached (the context's milestone summary is rebuilt from
   them). So :func:`training_pairs` rebuilds the very contexts the sampler would have built.
 - ``source``: ``gold`` (a simulator's gold path), ``walkthrough`` (TextWorld), or
-  ``export:<run_id>`` (a successful online trajectory, see :mod:`gyre_async.export`).
+  ``export:<run_id>`` (a successful online trajectory, see :mod:`gyre_async.offline.export`).
 - ``env`` / ``env_config`` / ``task_id`` / ``seed`` identify the episode, so it can be
   replayed: the demonstration's actions, played again, give the same observations.
 """
@@ -26,10 +26,10 @@ from typing import Any
 
 import msgspec
 
-from .envs import make_env
-from .envs.text_games import TextGameEnv
-from .policy.context import ContextBuilder
-from .rollout import milestone_summary
+from gyre_async.envs import make_env
+from gyre_async.envs.text_games import TextGameEnv
+from gyre_async.policy.context import ContextBuilder
+from gyre_async.core.rollout import milestone_summary
 
 FORMAT = "gyre-demonstration/1"
 
@@ -54,7 +54,7 @@ class Demonstration(msgspec.Struct, kw_only=True):
 
 def write_demonstrations(path: str, demos: Iterable[Demonstration]) -> int:
     """Write JSONL atomically; returns how many episodes were written."""
-    from .policy.base import write_atomic
+    from gyre_async.policy.base import write_atomic
 
     lines = [msgspec.json.encode(d) for d in demos]
     write_atomic(path, b"".join(line + b"\n" for line in lines))
@@ -73,7 +73,7 @@ def read_demonstrations(path: str) -> list[Demonstration]:
                 demo = decoder.decode(line)
             except msgspec.ValidationError as exc:
                 raise ValueError(f"{path}:{n}: not a demonstration ({exc}); see "
-                                 "gyre_async/demonstrations.py for the format") from None
+                                 "gyre_async/offline/demonstrations.py for the format") from None
             if demo.format != FORMAT:
                 raise ValueError(f"{path}:{n}: format {demo.format!r}, this build reads {FORMAT!r}")
             out.append(demo)
@@ -129,7 +129,7 @@ def gold_demonstrations(env_name: str, env_config: dict[str, Any], seeds: Iterab
 def training_pairs(demos: Iterable[Demonstration], builder: ContextBuilder,
                    successful_only: bool = True) -> list[tuple[list[int], str]]:
     """(context tokens, action text) per step, contexts built as the sampler builds them
-    (:func:`gyre_async.rollout.run_episode`: recent turns + milestone summary + observation)."""
+    (:func:`gyre_async.core.rollout.run_episode`: recent turns + milestone summary + observation)."""
     pairs: list[tuple[list[int], str]] = []
     h = builder.history_turns
     for demo in demos:
@@ -147,6 +147,6 @@ def training_pairs(demos: Iterable[Demonstration], builder: ContextBuilder,
 
 
 def default_path(name: str) -> str:
-    from .envs.cache import cache_dir
+    from gyre_async.envs.cache import cache_dir
 
     return os.path.join(cache_dir("demonstrations"), name)

@@ -16,8 +16,8 @@ from schemas.events import (
 )
 from schemas.topics import POLICY_VERSION, SCORED, SEGMENT_CLOSED, TELEMETRY, TRAJECTORY_STEP
 
-from .bus import Bus
-from .bus.reading import iter_topics
+from gyre_async.bus import Bus
+from gyre_async.bus.reading import iter_topics
 
 
 async def collect(bus: Bus, trajectory_id: str) -> dict[str, Any]:

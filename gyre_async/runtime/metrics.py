@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from . import timing
+from gyre_async import timing
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 NAMESPACE = "gyre"
@@ -164,7 +164,7 @@ def start_metrics_server(port: int, collect: Callable[[], dict[str, float]], *,
 def actor_metrics(runner, *, lag: float | None = None) -> dict[str, float]:
     """Everything a heartbeat says about one actor, as namespaced Prometheus samples.
 
-    ``runner`` is an :class:`gyre_async.actor.ActorRunner`. ``lag`` is the consumer lag if
+    ``runner`` is an :class:`gyre_async.runtime.actor.ActorRunner`. ``lag`` is the consumer lag if
     the caller measured it (it needs the bus, see :func:`serve_actor_metrics`).
     """
     role = runner.actor.role

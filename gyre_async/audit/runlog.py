@@ -16,9 +16,9 @@ from schemas.events import (
 )
 from schemas.topics import EVAL, POLICY_VERSION, SCORED, SEGMENT_CLOSED, TELEMETRY, TRAJECTORY_STEP
 
-from .bus import Bus
-from .bus.reading import iter_topics
-from .envs.macros import env_steps_of
+from gyre_async.bus import Bus
+from gyre_async.bus.reading import iter_topics
+from gyre_async.envs.macros import env_steps_of
 
 
 @dataclass

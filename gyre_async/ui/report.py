@@ -35,9 +35,9 @@ from schemas.events import (
 )
 from schemas.topics import ALL_TOPICS, DEAD_LETTER, PROBE_IN, PROBE_OUT, TRAJECTORY_STEP
 
-from .bus import open_bus
-from .bus.reading import iter_topics
-from .runlog import RunLog, summarize
+from gyre_async.bus import open_bus
+from gyre_async.bus.reading import iter_topics
+from gyre_async.audit.runlog import RunLog, summarize
 
 READ_TOPICS = tuple(t for t in ALL_TOPICS if t not in (PROBE_IN, PROBE_OUT))
 
@@ -219,7 +219,7 @@ def _nodata(what: str) -> str:
 
 
 def _figure_html(name: str, result: object) -> str:
-    from .report_plots import FIGURES
+    from gyre_async.ui.report_plots import FIGURES
 
     _, title, caption = FIGURES[name]
     out = f'<section id="{name}"><h2>{_e(title)}</h2>'
@@ -296,7 +296,7 @@ def _dead_letters_html(d: ReportData) -> str:
 
 
 def render_html(d: ReportData, figures: dict) -> str:
-    from .report_plots import CSS, FIGURES
+    from gyre_async.ui.report_plots import CSS, FIGURES
 
     s, source = summary_of(d)
     run = (d.config or {}).get("run") or {}
@@ -338,7 +338,7 @@ def render_html(d: ReportData, figures: dict) -> str:
 
 def write_report(d: ReportData, out: str) -> str:
     """Render the figures and the page (blocking: run it off the event loop)."""
-    from .report_plots import render_all
+    from gyre_async.ui.report_plots import render_all
 
     figures = render_all(d)
     png_dir = os.path.join(d.run_dir, "report")
@@ -387,7 +387,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .runtime import run_main
+    from gyre_async.runtime.process import run_main
 
     try:
         path = run_main(lambda: build_report(args.run_dir, out=getattr(args, "out", None),

@@ -10,10 +10,10 @@ import sys
 from schemas import DecodeError, decode, to_builtins
 from schemas.topics import ALL_TOPICS
 
-from .bus import open_bus
-from .config import bus_url, load_config
-from .errors import ConfigError, OutOfSpace
-from .logs import configure_logging
+from gyre_async.bus import open_bus
+from gyre_async.config import bus_url, load_config
+from gyre_async.errors import ConfigError, OutOfSpace
+from gyre_async.runtime.logs import configure_logging
 
 EPILOG = """\
 bus URLs: sqlite:///runs/x/events.db (embedded, default: <run_dir>/events.db) or
@@ -96,11 +96,11 @@ def _parser() -> argparse.ArgumentParser:
     arc.add_argument("--out", required=True, help="directory for events.db")
     arc.add_argument("--topics", help="comma-separated topics (default: all)")
 
-    from .launcher import add_parser as add_launch
-    from .monitor import add_parser as add_monitor
-    from .report import add_parser as add_report
+    from gyre_async.runtime.launcher import add_parser as add_launch
+    from gyre_async.ui.monitor import add_parser as add_monitor
+    from gyre_async.ui.report import add_parser as add_report
 
-    from .offline_cli import add_parser as add_offline
+    from gyre_async.cli.offline import add_parser as add_offline
 
     add_launch(sub)
     add_monitor(sub)
@@ -140,14 +140,14 @@ def _config(args):
 
 
 def _dispatch(args) -> int:
-    from .runtime import run_actor, run_main
+    from gyre_async.runtime.process import run_actor, run_main
 
     if args.command == "actor":
         cfg = _config(args)
         run_main(lambda: run_actor(args.role, cfg, args.bus, args.name, args.metrics_port))
         return 0
     if args.command == "run":
-        from .loop import run_loop
+        from gyre_async.runtime.loop import run_loop
 
         cfg = _config(args)
         summary = run_main(lambda: run_loop(cfg, bus_override=args.bus,
@@ -161,22 +161,22 @@ def _dispatch(args) -> int:
         cfg = _config(args)
         return run_main(lambda: _replay(bus_url(cfg, args.bus), cfg, args))
     if args.command == "launch":
-        from .launcher import run as launch
+        from gyre_async.runtime.launcher import run as launch
 
         return launch(args)
     if args.command == "monitor":
-        from .monitor import run as run_monitor
+        from gyre_async.ui.monitor import run as run_monitor
 
         return run_monitor(args)
     if args.command == "report":
-        from .report import run as run_report
+        from gyre_async.ui.report import run as run_report
 
         return run_report(args)
     if args.command == "inspect":
         cfg = _config(args)
         return run_main(lambda: _inspect(bus_url(cfg, args.bus), args))
     if args.command in ("warmstart", "export", "evaluate"):
-        from .offline_cli import run as run_offline
+        from gyre_async.cli.offline import run as run_offline
 
         return run_offline(args, _config(args))
     if args.command == "archive":
@@ -250,7 +250,7 @@ async def _tail(url: str, args) -> int:
 
 
 async def _replay(url: str, cfg, args) -> int:
-    from .replay import replay, report_json
+    from gyre_async.audit.replay import replay, report_json
 
     async with open_bus(url) as bus:
         report = await replay(bus, args.role, cfg, name=args.name)
@@ -274,7 +274,7 @@ async def _replay(url: str, cfg, args) -> int:
 
 
 async def _inspect(url: str, args) -> int:
-    from .inspect_trajectory import collect, render
+    from gyre_async.audit.inspect_trajectory import collect, render
 
     async with open_bus(url) as bus:
         info = await collect(bus, args.trajectory_id)
@@ -285,7 +285,7 @@ async def _inspect(url: str, args) -> int:
 async def _archive(args) -> int:
     import os
 
-    from .archive import archive
+    from gyre_async.audit.archive import archive
 
     os.makedirs(args.out, exist_ok=True)
     out = os.path.join(args.out, "events.db")

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .bus import Bus
-from .bus.embedded import EmbeddedBus
-from .bus.reading import iter_topics
+from gyre_async.bus import Bus
+from gyre_async.bus.embedded import EmbeddedBus
+from gyre_async.bus.reading import iter_topics
 
 
 async def archive(source: Bus, out_path: str, topics: Sequence[str] | None = None,

@@ -6,7 +6,7 @@ in the environment named by the run's config to recover the observations (steps 
 tokens, not text) and to check, against environment state, that the replay reaches the
 recorded outcome again. Only verified episodes are written (a mismatch means the
 environment is not deterministic for that seed, and is counted). The output is the same
-JSONL format as gold demonstrations (:mod:`gyre_async.demonstrations`), with
+JSONL format as gold demonstrations (:mod:`gyre_async.offline.demonstrations`), with
 ``source = "export:<run_id>"``, so it can feed ``gyre warmstart`` directly.
 """
 
@@ -20,11 +20,11 @@ from schemas.config import Config
 from schemas.events import TrajectoryStep
 from schemas.topics import TRAJECTORY_STEP
 
-from .bus.reading import iter_topics
-from .demonstrations import Demonstration, replay, write_demonstrations
-from .envs import make_env
-from .envs.text_games import TextGameEnv
-from .runtime import open_run_bus
+from gyre_async.bus.reading import iter_topics
+from gyre_async.offline.demonstrations import Demonstration, replay, write_demonstrations
+from gyre_async.envs import make_env
+from gyre_async.envs.text_games import TextGameEnv
+from gyre_async.runtime.process import open_run_bus
 
 
 async def successful_trajectories(cfg: Config, bus_override: str | None = None,

@@ -19,11 +19,11 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from . import timing
-from .envs.base import Env, EnvFailure, StepResult, guarded_reset, guarded_step
-from .policy.base import Action, Policy, SamplingParams
-from .policy.context import ContextBuilder
-from .policy.factory import load_weights
+from gyre_async import timing
+from gyre_async.envs.base import Env, EnvFailure, StepResult, guarded_reset, guarded_step
+from gyre_async.policy.base import Action, Policy, SamplingParams
+from gyre_async.policy.context import ContextBuilder
+from gyre_async.policy.factory import load_weights
 
 
 @dataclass(frozen=True)

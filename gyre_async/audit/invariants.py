@@ -50,8 +50,8 @@ from schemas.topics import (
     TRAJECTORY_STEP,
 )
 
-from .bus import Bus
-from .bus.reading import read_topics
+from gyre_async.bus import Bus
+from gyre_async.bus.reading import read_topics
 
 TOPICS = (TRAJECTORY_STEP, SEGMENT_CLOSED, SCORED, POLICY_VERSION, TELEMETRY)
 #: role -> the topic whose committed offsets say what the role has consumed
@@ -245,7 +245,7 @@ def _check_training(rep, run, versions, segments, scored, dropped, max_staleness
 
 
 def _check_segment_store(rep, segments, url: str) -> None:
-    from .storage.segments import SegmentStore, SegmentStoreError
+    from gyre_async.storage.segments import SegmentStore, SegmentStoreError
 
     try:
         store = SegmentStore(url, read_only=True)
@@ -275,7 +275,7 @@ def _check_segment_store(rep, segments, url: str) -> None:
 
 
 def _check_checkpoints(rep, versions, root: Path) -> None:
-    from .storage.checkpoints import CheckpointError, CheckpointStore
+    from gyre_async.storage.checkpoints import CheckpointError, CheckpointStore
 
     store = CheckpointStore(str(root))
     seen_files: set[str] = set()

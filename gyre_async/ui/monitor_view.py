@@ -1,4 +1,4 @@
-"""Rendering of a :class:`~gyre_async.monitor.MonitorState` as one rich frame.
+"""Rendering of a :class:`~gyre_async.ui.monitor.MonitorState` as one rich frame.
 
 Kept apart from the state so the fold stays pure and testable, and so the same frame
 serves ``rich.live.Live`` (following a run) and a single ``console.print`` (``--once``).
@@ -22,7 +22,7 @@ from rich.table import Table
 from rich.text import Text
 
 if TYPE_CHECKING:  # runtime import would be circular (monitor imports this module)
-    from .monitor import MonitorState
+    from gyre_async.ui.monitor import MonitorState
 
 BARS = "▁▂▃▄▅▆▇█"
 SPARK_WIDTH = 24

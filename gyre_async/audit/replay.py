@@ -18,11 +18,11 @@ from schemas import DecodeError, decode, to_builtins
 from schemas.config import Config
 from schemas.topics import TELEMETRY
 
-from .actor import ActorRunner
-from .bus import Bus
-from .bus.embedded import EmbeddedBus
-from .bus.reading import read_topics
-from .topology import build_actor
+from gyre_async.runtime.actor import ActorRunner
+from gyre_async.bus import Bus
+from gyre_async.bus.embedded import EmbeddedBus
+from gyre_async.bus.reading import read_topics
+from gyre_async.runtime.topology import build_actor
 
 IGNORED_FIELDS = {"ts"}
 
@@ -148,15 +148,15 @@ async def replay_learner(recorded: Bus, cfg: Config) -> ReplayReport:
     update, load the weights it started from, read the segments it says it trained on (in
     its order) with their recorded rewards, recompute values and segment-level GAE, and
     compare the fingerprint with the one the learner recorded. The global outcome
-    advantages are re-derived from the log too (``gyre_async.credit_log``), and the fusion
+    advantages are re-derived from the log too (``gyre_async.audit.credit_log``), and the fusion
     weights the learner recorded per segment are compared with the replayed ones.
     """
     from actors.learner import Buffered, prepare_batch
 
-    from .credit_log import read_credit_log, replay_outcome_book
-    from .policy.factory import build_policy, load_weights
-    from .rl.fusion import OutcomeBook
-    from .storage.segments import SegmentNotFound, SegmentStore
+    from gyre_async.audit.credit_log import read_credit_log, replay_outcome_book
+    from gyre_async.policy.factory import build_policy, load_weights
+    from gyre_async.rl.fusion import OutcomeBook
+    from gyre_async.storage.segments import SegmentNotFound, SegmentStore
     from schemas.events import PolicyVersion
     from schemas.topics import POLICY_VERSION
 

@@ -30,7 +30,7 @@ from schemas.events import (
 )
 from schemas.topics import ALL_TOPICS
 
-from .monitor_view import make_console, render  # render re-exported: monitor.render
+from gyre_async.ui.monitor_view import make_console, render  # render re-exported: monitor.render
 
 #: Default actor heartbeat period (``ActorRunner.heartbeat_s``); silent after 3 of them.
 HEARTBEAT_S = 5.0
@@ -279,9 +279,9 @@ async def monitor(url: str, run_id: str | None = None, once: bool = False,
     ``once``: read up to the end offsets seen at start, print one frame, return. Otherwise
     follow new records (new topics too) until SIGINT/SIGTERM, redrawing every ``refresh_s``.
     """
-    from .bus import open_bus
-    from .bus.embedded import EmbeddedBus
-    from .bus.reading import iter_topics
+    from gyre_async.bus import open_bus
+    from gyre_async.bus.embedded import EmbeddedBus
+    from gyre_async.bus.reading import iter_topics
 
     state = MonitorState(run_id)
     console = make_console(once)
@@ -307,7 +307,7 @@ async def monitor(url: str, run_id: str | None = None, once: bool = False,
 async def _follow(bus, state: MonitorState, console, url: str, refresh_s: float) -> None:
     from rich.live import Live
 
-    from .runtime import install_stop_signals
+    from gyre_async.runtime.process import install_stop_signals
 
     stop = asyncio.Event()
     install_stop_signals(stop.set)
@@ -373,8 +373,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``gyre monitor`` for parsed arguments; returns the exit status."""
-    from .config import bus_url, load_config
-    from .runtime import run_main
+    from gyre_async.config import bus_url, load_config
+    from gyre_async.runtime.process import run_main
 
     url = bus_url(load_config(getattr(args, "config", None)), args.bus)
     try:
@@ -384,9 +384,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m gyre_async.monitor``: the same arguments as ``gyre monitor``."""
-    from .errors import ConfigError
-    from .logs import configure_logging
+    """``python -m gyre_async.ui.monitor``: the same arguments as ``gyre monitor``."""
+    from gyre_async.errors import ConfigError
+    from gyre_async.runtime.logs import configure_logging
 
     args = _configure(argparse.ArgumentParser(prog="gyre monitor",
                                               description=DESCRIPTION)).parse_args(argv)

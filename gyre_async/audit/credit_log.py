@@ -13,9 +13,9 @@ from schemas import decode
 from schemas.events import PolicyVersion, Scored
 from schemas.topics import POLICY_VERSION, SCORED
 
-from .bus import Bus
-from .bus.reading import iter_topics
-from .rl.fusion import OutcomeBook
+from gyre_async.bus import Bus
+from gyre_async.bus.reading import iter_topics
+from gyre_async.rl.fusion import OutcomeBook
 
 
 def batch_keys(segments: list[Scored]) -> list[tuple[str, str, bool]]:

@@ -16,8 +16,8 @@ from schemas import DecodeError, decode
 from schemas.events import PolicyVersion
 from schemas.topics import POLICY_VERSION
 
-from .bus import Bus
-from .bus.reading import iter_topics
+from gyre_async.bus import Bus
+from gyre_async.bus.reading import iter_topics
 
 
 async def recently_trained(bus: Bus, run_id: str, last_versions: int = 8) -> set[str]:

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .storage.checkpoints import CheckpointRef, CheckpointStore
-from .storage.errors import CheckpointError
+from gyre_async.storage.checkpoints import CheckpointRef, CheckpointStore
+from gyre_async.storage.errors import CheckpointError
 
 #: Order of preference when restoring.
 RESTORE_ORDER = ("best", "stable", "pre-large")

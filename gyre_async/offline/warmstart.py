@@ -2,7 +2,7 @@
 
 ``gyre warmstart CONFIG`` builds the run's policy exactly as every role builds it
 (:func:`gyre_async.policy.factory.build_policy`), rebuilds the contexts the sampler would
-have seen at each demonstration step (:func:`gyre_async.demonstrations.training_pairs`) and
+have seen at each demonstration step (:func:`gyre_async.offline.demonstrations.training_pairs`) and
 maximises the log-probability of the demonstrated action tokens (and of stopping after
 them) through the policy's own :meth:`~gyre_async.policy.base.Policy.evaluate`, so any
 backend that can evaluate log-probs can be warm-started. The result is saved to the run's
@@ -29,11 +29,11 @@ from schemas.config import Config
 from schemas.events import PolicyVersion
 from schemas.topics import ALL_TOPICS, POLICY_VERSION
 
-from .demonstrations import Demonstration, gold_demonstrations, read_demonstrations, training_pairs
-from .errors import ConfigError
-from .policy.base import Policy
-from .policy.context import ContextBuilder
-from .policy.factory import build_policy, build_tokenizer, save_weights
+from gyre_async.offline.demonstrations import Demonstration, gold_demonstrations, read_demonstrations, training_pairs
+from gyre_async.errors import ConfigError
+from gyre_async.policy.base import Policy
+from gyre_async.policy.context import ContextBuilder
+from gyre_async.policy.factory import build_policy, build_tokenizer, save_weights
 
 
 def load_demonstrations(cfg: Config) -> list[Demonstration]:
@@ -125,10 +125,10 @@ def warm_policy(cfg: Config, demos: list[Demonstration] | None = None
 async def publish_warmstart(cfg: Config, policy: Policy, stats: dict[str, float],
                             bus_override: str | None = None) -> PolicyVersion:
     """Save ``policy`` as version 0 of the run and publish it (reason ``warmstart``)."""
-    from .bus.base import Bus  # noqa: F401 - type context only
-    from .runlog import current_policy_version
-    from .runtime import open_run_bus
-    from .storage.checkpoints import CheckpointStore
+    from gyre_async.bus.base import Bus  # noqa: F401 - type context only
+    from gyre_async.audit.runlog import current_policy_version
+    from gyre_async.runtime.process import open_run_bus
+    from gyre_async.storage.checkpoints import CheckpointStore
 
     from schemas import encode
 

@@ -36,9 +36,9 @@ from schemas import DecodeError, Event, decode, encode, event_id
 from schemas.events import DeadLetter, Heartbeat
 from schemas.topics import DEAD_LETTER, TELEMETRY
 
-from . import timing
-from .bus import Bus, Record
-from .errors import is_retriable
+from gyre_async import timing
+from gyre_async.bus import Bus, Record
+from gyre_async.errors import is_retriable
 
 log = structlog.get_logger(__name__)
 

@@ -1,0 +1,3 @@
+from gyre_async.cli.main import main
+
+main()

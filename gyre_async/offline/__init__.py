@@ -1,0 +1,1 @@
+"""Offline data: demonstrations, warm-start (behaviour cloning) and export of good trajectories."""

@@ -1,0 +1,1 @@
+"""What people look at: the live monitor and the HTML report."""

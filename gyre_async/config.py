@@ -1,4 +1,11 @@
-"""Loading and validating configuration files (TOML) into ``schemas.config.Config``."""
+"""Loading and validating configuration files into ``schemas.config.Config``.
+
+Two formats, one schema: TOML (what people write, ``ops/configs/*.toml``) and JSON, because
+every run records the exact config it ran with as ``<run_dir>/config.json``. Accepting that
+file makes a finished run's config directly reusable (``gyre replay ... --config
+runs/q/config.json``) without a second, hand-kept copy. The format follows the file's suffix
+(``.json``: JSON, anything else: TOML); both go through the same decoding and validation.
+"""
 
 from __future__ import annotations
 
@@ -13,21 +20,25 @@ from gyre_async.errors import ConfigError
 
 
 def load_config(path: str | os.PathLike | None) -> Config:
-    """Read and validate a TOML config; errors name the file, the field and the fix."""
+    """Read and validate a config (TOML, or a run's ``config.json``); errors name the file,
+    the field and the fix."""
     if path is None:
         return Config()
     p = Path(path)
     if not p.exists():
-        raise ConfigError(f"config file {p} not found (examples live in ops/configs/)")
+        raise ConfigError(f"config file {p} not found (examples live in ops/configs/; a run "
+                          "records its own as <run_dir>/config.json)")
+    is_json = p.suffix.lower() == ".json"
+    codec = msgspec.json if is_json else msgspec.toml
     try:
-        cfg = msgspec.toml.decode(p.read_bytes(), type=Config)
+        cfg = codec.decode(p.read_bytes(), type=Config)
     except msgspec.ValidationError as exc:
         raise ConfigError(
             f"{p}: {exc}. Fix that field (every field is documented in schemas/config.py; "
             "unknown fields are refused so typos don't pass silently)."
         ) from None
     except msgspec.DecodeError as exc:
-        raise ConfigError(f"{p}: not valid TOML: {exc}") from None
+        raise ConfigError(f"{p}: not valid {'JSON' if is_json else 'TOML'}: {exc}") from None
     validate(cfg, str(p))
     return cfg
 

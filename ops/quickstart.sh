@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Install and run the main job: a real training run on the embedded bus (no server needed).
+# Installs only what `gyre run` needs (ops/install.sh without --test).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash ops/install.sh

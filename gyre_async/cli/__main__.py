@@ -1,3 +1,5 @@
+import sys
+
 from gyre_async.cli.main import main
 
-main()
+sys.exit(main())

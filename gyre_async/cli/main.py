@@ -49,7 +49,8 @@ def _parser() -> argparse.ArgumentParser:
                            description="Run a single role until SIGTERM. Start one process "
                            "per role, on one machine (embedded bus) or many (Kafka).")
     actor.add_argument("role", help="sampler, segmenter, arbiter, learner, evaluator, echo, ...")
-    actor.add_argument("--config", required=True, help="TOML config file")
+    actor.add_argument("--config", required=True,
+                       help="TOML config file, or a run's recorded RUN_DIR/config.json")
     actor.add_argument("--bus", help="bus URL (default: config bus.url or the embedded log)")
     actor.add_argument("--name", help="actor name (default: the role)")
     actor.add_argument("--run-dir", help="override run.run_dir")
@@ -74,7 +75,8 @@ def _parser() -> argparse.ArgumentParser:
                          "the run. Exit status 1 when there are differences.")
     rep.add_argument("role")
     rep.add_argument("--bus", help="bus URL of the recorded run")
-    rep.add_argument("--config", help="the run's config file")
+    rep.add_argument("--config", help="the run's config: RUN_DIR/config.json (recorded by "
+                     "every run) or its TOML file")
     rep.add_argument("--name", help="actor name used in the run (default: the role)")
     rep.add_argument("--run-dir", help="the run's directory (stores), if not in the config")
     rep.add_argument("--json", action="store_true", help="print the full report as JSON")

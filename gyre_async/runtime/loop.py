@@ -27,8 +27,10 @@ from schemas.topics import ALL_TOPICS, EVAL, POLICY_VERSION, SEGMENT_CLOSED, TEL
 from gyre_async.runtime.actor import ActorRunner
 from gyre_async.bus.reading import iter_topics
 from gyre_async.audit.runlog import current_policy_version, load_runlog, plot_learning_curve, summarize, write_metrics
+from gyre_async.audit.runlog import metrics_rows
 from gyre_async.runtime.process import install_stop_signals, open_run_bus
 from gyre_async.runtime.topology import RUN_ROLES, build_actor
+from gyre_async.ui.tensorboard import write_tensorboard
 
 log = structlog.get_logger(__name__)
 
@@ -181,6 +183,7 @@ async def run_loop(cfg: Config, *, bus_override: str | None = None, progress: bo
         runlog = await load_runlog(bus)
     wall = time.monotonic() - started
     write_metrics(runlog, os.path.join(run_dir, "metrics.jsonl"))
+    write_tensorboard(metrics_rows(runlog), run_dir)  # same scalars, for `tensorboard --logdir`
     plot_learning_curve(runlog, os.path.join(run_dir, "learning_curve.png"),
                         title=f"Gyre run {cfg.run.run_id} ({cfg.run.mode})")
     summary = summarize(runlog, wall)

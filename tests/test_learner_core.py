@@ -8,6 +8,7 @@ import dataclasses
 import msgspec
 import pytest
 import torch
+from test_critic import config, make_batch
 
 from gyre_async.core.learner import Dropped, LearnerCore, TrainResult
 from gyre_async.experience.elite import ElitePool
@@ -17,8 +18,6 @@ from gyre_async.storage.checkpoints import CheckpointRef
 from gyre_async.storage.segments import SegmentStore
 from schemas import event_id
 from schemas.events import PolicyVersion, Rollback
-
-from test_critic import config, make_batch
 
 replace = msgspec.structs.replace
 REF = CheckpointRef(address="file:///nowhere/v.safetensors", sha256="0" * 64, version=0)
@@ -62,7 +61,7 @@ def test_update_returns_a_typed_frozen_result_for_the_fresh_segments(tmp_path):
     assert result.metrics["charts/batch_segments"] == len(scored)
     assert result.metrics["charts/max_staleness_seen"] == 0.0
     with pytest.raises(dataclasses.FrozenInstanceError):
-        setattr(result, "skipped", True)
+        result.skipped = True  # frozen: the update is a record, not a mutable dict
     assert core.buffer == [] and core.commit_floor() == {}
     assert core.trained_steps == sum(s.step_end - s.step_start for s in scored)
     event = core.publish("update", REF, "learner", result.metrics, result)

@@ -4,22 +4,19 @@ consumes: scored (Scored, RewardFailed), keeper (Rollback)
 emits:    policy-version (PolicyVersion), telemetry (SegmentDropped, CriticReset)
 
 A thin adapter over :class:`gyre_async.core.learner.LearnerCore`, which decides what to
-train on and runs the update; this module moves events and bytes (segment arrays in,
-checkpoints out) and keeps the slow parts off the event loop.
-
-A long trajectory does not block training: each scored segment is trainable on arrival,
-its value bootstrapped at the segment boundary. Restart: the learner resumes from its
-latest ``policy-version`` checkpoint; buffered but untrained segments are re-delivered
-because the runtime never commits past them (``commit_floor``). Rollback: the keeper's
-order (``actors/keeper.py``) is followed with a ``policy-version`` of reason ``rollback``
-under the next version number.
+train on, runs the update and follows rollbacks: this module moves events and bytes
+(segment arrays in, checkpoints out) and keeps the slow parts off the event loop.
+Restart: it resumes from its latest ``policy-version`` checkpoint; buffered, untrained
+segments are redelivered because the runtime never commits past them (``commit_floor``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import math
 import time
+from collections.abc import Callable
+from functools import cached_property
+from typing import TypeVar
 
 import torch
 
@@ -40,10 +37,12 @@ from schemas.config import Config
 from schemas.events import CriticReset, RewardFailed, Rollback, Scored, SegmentDropped
 from schemas.topics import KEEPER, POLICY_VERSION, SCORED, TELEMETRY
 
+T = TypeVar("T")
 
-def _finite_or(x: float, fallback: float = -1.0) -> float:
-    """Events carry finite floats: an infinite reading is capped, a NaN becomes ``fallback``."""
-    return fallback if math.isnan(x) else max(min(x, 1e300), -1e300)
+
+def _timed(category: str, work: Callable[[], T]) -> T:
+    with timing.timed(category):
+        return work()
 
 
 class Learner(Actor):
@@ -58,19 +57,17 @@ class Learner(Actor):
         self.core = LearnerCore(cfg, self.policy, open_elite_pool(cfg))
         self.checkpoints = CheckpointStore(cfg.learner.checkpoints
                                            or f"{cfg.run.run_dir}/checkpoints")
-        self._segments: SegmentStore | None = None
         self.train_seconds = 0.0
 
     @classmethod
     def from_config(cls, cfg: Config) -> Learner:
         return cls(cfg)
 
-    def segment_store(self) -> SegmentStore:
+    @cached_property
+    def segments(self) -> SegmentStore:
         """Opened on first use: in one-process-per-role runs the segmenter creates it."""
-        if self._segments is None:
-            url = self.cfg.segmenter.store or f"{self.cfg.run.run_dir}/segments.zarr"
-            self._segments = SegmentStore(url, read_only=True)
-        return self._segments
+        url = self.cfg.segmenter.store or f"{self.cfg.run.run_dir}/segments.zarr"
+        return SegmentStore(url, read_only=True)
 
     async def on_start(self) -> None:
         bus = self.runner.bus
@@ -105,34 +102,25 @@ class Learner(Actor):
         started = time.monotonic()
         addresses = self.core.buffered_addresses()
         try:
-            arrays = await asyncio.to_thread(self._read_segments, addresses)
+            arrays = await asyncio.to_thread(
+                _timed, "storage", lambda: self.segments.read_many(addresses))
         except (SegmentStoreError, ValueError):  # corrupt, missing, foreign: refuse those
-            bad = await asyncio.to_thread(unreadable_segments, self.segment_store(), addresses)
+            bad = await asyncio.to_thread(unreadable_segments, self.segments, addresses)
             return [self._dropped(d) for d in self.core.drop_buffer("unreadable", bad)]
         self.core.attach_arrays(arrays)
-        outcome = await asyncio.to_thread(self._update)
+        outcome = await asyncio.to_thread(_timed, "learner", self.core.update)
         if not isinstance(outcome, TrainResult):
             return [self._dropped(d) for d in outcome]
         self.train_seconds += time.monotonic() - started
         update = await self._publish("update", outcome.metrics, outcome)
         return [update, *self._critic_resets(outcome.skipped)]
 
-    def _read_segments(self, addresses: list[str]):
-        with timing.timed("storage"):
-            return self.segment_store().read_many(addresses)
-
-    def _update(self) -> TrainResult | list[Dropped]:
-        with timing.timed("learner"):
-            return self.core.update()
-
-    def _save(self, version: int, meta: dict[str, str]):
-        with timing.timed("storage"):
-            return save_weights(self.checkpoints, self.policy, version, meta)
-
     async def _publish(self, reason: VersionReason, metrics: dict[str, float],
                        update: TrainResult | None = None) -> Emit:
-        meta = {"run_id": self.cfg.run.run_id, "reason": reason, "parent": str(self.core.version)}
-        ref = await asyncio.to_thread(self._save, self.core.version + 1, meta)
+        version, meta = self.core.version + 1, {"run_id": self.cfg.run.run_id, "reason": reason,
+                                                "parent": str(self.core.version)}
+        ref = await asyncio.to_thread(_timed, "storage", lambda: save_weights(
+            self.checkpoints, self.policy, version, meta))
         return Emit(POLICY_VERSION,
                     self.core.publish(reason, ref, self.runner.name, metrics, update))
 
@@ -141,8 +129,8 @@ class Learner(Actor):
         return [Emit(TELEMETRY, CriticReset(
             event_id=event_id("critic-reset", run_id, version, i), run_id=run_id,
             producer=self.runner.name, key="policy", version=version, reason=found.reason,
-            max_abs_advantage=_finite_or(found.max_abs_advantage),
-            value_loss=_finite_or(found.value_loss), learning_rate=self.core.learning_rate,
+            max_abs_advantage=found.max_abs_advantage, value_loss=found.value_loss,
+            learning_rate=self.core.learning_rate,
             skipped_update=skipped))
             for i, found in enumerate(self.core.take_critic_resets())]
 
@@ -155,8 +143,7 @@ class Learner(Actor):
             segment_id=scored.segment_id, reason=dropped.reason, staleness=dropped.staleness))
 
     def commit_floor(self) -> dict[tuple[str, int], int]:
-        return {(SCORED, partition): offset
-                for partition, offset in self.core.commit_floor().items()}
+        return {(SCORED, partition): off for partition, off in self.core.commit_floor().items()}
 
     def stats(self) -> dict[str, float]:
         return {**self.core.stats(), "train_s": self.train_seconds}

@@ -21,6 +21,7 @@ objects. Each method is one decision of the learner:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
@@ -68,6 +69,11 @@ class TrainResult:
     fusion_weights: list[float]  # one per trained segment, in ``trained_segments`` order
     skipped: bool  # the critic's advantage alarm refused the update (weights untouched)
     trained_segments: list[str]  # the fresh segments (elite ones never came from the bus)
+
+
+def _finite_or(x: float, fallback: float = -1.0) -> float:
+    """Events carry finite floats: an infinite reading is capped, a NaN becomes ``fallback``."""
+    return fallback if math.isnan(x) else max(min(x, 1e300), -1e300)
 
 
 def _index_slices(n: int, size: int) -> list[list[int]]:
@@ -348,8 +354,11 @@ class LearnerCore:
                                  self.cfg.learner.max_grad_norm)
 
     def take_critic_resets(self) -> list[Divergence]:
-        """Critic resets since the last call, for the actor to announce (once each)."""
-        return self.critic.take_resets()
+        """Critic resets since the last call, to announce once each (readings made finite:
+        a NaN value loss reads -1, an infinite advantage the largest float an event takes)."""
+        return [replace(found, max_abs_advantage=_finite_or(found.max_abs_advantage),
+                        value_loss=_finite_or(found.value_loss))
+                for found in self.critic.take_resets()]
 
     # -- outputs -------------------------------------------------------------------------
     def publish(self, reason: VersionReason, checkpoint: CheckpointRef, producer: str,

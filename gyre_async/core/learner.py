@@ -2,7 +2,10 @@
 
 No bus and no asyncio: ``actors/learner.py`` hands it events, reads the segments' arrays,
 saves checkpoints and publishes what it returns, so everything here is testable on plain
-objects. Each method is one decision of the learner:
+objects. A long trajectory does not block training: each scored segment is trainable on
+arrival, its value bootstrapped at the segment boundary (V of the context right after it),
+and an update runs once ``batch_steps`` steps are buffered (sync mode: once every episode
+of the version has ended). Each method is one decision of the learner:
 
 - :meth:`LearnerCore.add` admits a scored segment or refuses it (``budget-spent``,
   ``stale``: more than ``max_staleness`` versions old, ``rolled-back``: sampled before the
@@ -10,7 +13,9 @@ objects. Each method is one decision of the learner:
 - :meth:`LearnerCore.update` runs once :meth:`batch_ready`: a bounded share of elite
   segments mixed in (they bypass the staleness gate by design and carry no bus offset, so
   :meth:`commit_floor` never sees them), the injected learning-rate fault applied from the
-  config, one decoupled-PPO update (:meth:`train`), and the batch offered to the elite pool.
+  config, one decoupled-PPO update (:meth:`train`: a truncated importance weight
+  pi_prox / pi_behaviour, so moderately stale samples still help; see
+  ``gyre_async.rl.ppo``), and the batch offered to the elite pool.
   A non-finite batch is refused whole, before any optimizer step.
 - :meth:`LearnerCore.rollback` follows a keeper order (weights already loaded): a fresh
   optimizer at the order's learning rate (the Adam moments belong to the abandoned

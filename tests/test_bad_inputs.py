@@ -27,7 +27,8 @@ import torch
 from test_loop_e2e import TINY
 
 from actors.echo import EchoActor
-from actors.learner import Buffered, Learner, LearnerCore
+from actors.learner import Learner
+from gyre_async.core.learner import LearnerCore
 from actors.segmenter import ClosedSegment, segment_arrays
 from gyre_async.runtime.actor import ActorRunner
 from gyre_async.bus import open_bus
@@ -117,7 +118,7 @@ async def test_nan_rewards_and_logprobs_are_refused_visibly_and_learner_goes_on(
         runner = ActorRunner(learner, bus, run_id="tiny", heartbeat_s=30, partitions=1)
         task = asyncio.create_task(runner.run())
         deadline = time.monotonic() + 60
-        while learner.version < 1 and time.monotonic() < deadline and not task.done():
+        while learner.core.version < 1 and time.monotonic() < deadline and not task.done():
             await asyncio.sleep(0.1)
         trained_weights = {k: v.clone() for k, v in learner.policy.state_dict().items()}
         runner.stop()
@@ -148,9 +149,9 @@ def test_non_finite_values_refused_before_any_optimizer_step(tmp_path):
     learner = Learner(cfg)
     core: LearnerCore = learner.core
     store = SegmentStore(str(tmp_path / "segments.zarr"))
-    for tid in ("traj-a", "traj-b"):
-        scored = store_segment(store, tid)
-        core.buffer.append(Buffered(scored, store.read(scored.address), (0, 0)))
+    for offset, tid in enumerate(("traj-a", "traj-b")):
+        assert core.add(store_segment(store, tid), (0, offset)) is None
+    core.attach_arrays(store.read_many(core.buffered_addresses()))
     with torch.no_grad():  # a diverged critic: its bias went to inf
         learner.policy._model.value_head.bias.fill_(math.inf)
     before = {k: v.clone() for k, v in learner.policy.state_dict().items()}
@@ -201,7 +202,7 @@ async def test_corrupt_segment_is_refused_and_the_rest_of_its_batch_trains(tmp_p
         await bus.publish(SCORED, [(b"k", encode(s)) for s in (*clean, rotten, more)])
         learner = Learner(cfg)
         runner = ActorRunner(learner, bus, run_id="tiny", heartbeat_s=30, partitions=1)
-        await _run_until(runner, lambda: learner.version >= 1)
+        await _run_until(runner, lambda: learner.core.version >= 1)
         dropped = [e for r in await read_topics(bus, [TELEMETRY])
                    if isinstance(e := decode(TELEMETRY, r.value), SegmentDropped)]
         versions = [decode(POLICY_VERSION, r.value) for r in await read_topics(bus, [POLICY_VERSION])]
@@ -254,7 +255,7 @@ async def test_restarted_learner_does_not_train_redelivered_segments_again(tmp_p
         await bus.publish(SCORED, [(b"k", encode(s)) for s in first])
         learner = Learner(cfg)
         runner = ActorRunner(learner, bus, run_id="tiny", heartbeat_s=30, partitions=1)
-        await _run_until(runner, lambda: learner.version >= 1)
+        await _run_until(runner, lambda: learner.core.version >= 1)
     with sqlite3.connect(tmp_path / "events.db") as db:
         assert db.execute("DELETE FROM commits WHERE grp = 'tiny.learner'").rowcount > 0
     later = [store_segment(store, t) for t in ("traj-c", "traj-d")]
@@ -262,7 +263,7 @@ async def test_restarted_learner_does_not_train_redelivered_segments_again(tmp_p
         await bus.publish(SCORED, [(b"k", encode(s)) for s in later])
         learner = Learner(cfg)
         runner = ActorRunner(learner, bus, run_id="tiny", heartbeat_s=30, partitions=1)
-        await _run_until(runner, lambda: learner.version >= 2, timeout=60)
+        await _run_until(runner, lambda: learner.core.version >= 2, timeout=60)
         versions = [decode(POLICY_VERSION, r.value) for r in await read_topics(bus, [POLICY_VERSION])]
     assert [v.version for v in versions] == [0, 1, 2]
     assert versions[1].trained_segments == [s.segment_id for s in first]

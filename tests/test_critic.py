@@ -25,7 +25,7 @@ from gyre_async.rl.critic import DivergenceDetector, complete_returns, value_pri
 from gyre_async.storage.segments import SegmentStore
 from schemas import decode, encode, event_id
 from schemas.config import Config, LearnerConfig, PolicySection, RunSection
-from schemas.events import CriticReset, PolicyVersion, Scored, TrajectoryStep
+from schemas.events import CriticReset, Scored, TrajectoryStep
 from schemas.topics import ALL_TOPICS, POLICY_VERSION, SCORED, TELEMETRY
 
 
@@ -183,7 +183,7 @@ def test_reward_spike_resets_the_critic_and_training_recovers(tmp_path):
 
 def test_exploding_value_loss_resets_the_value_head(tmp_path):
     """The other alarm: a value head driven far off (here by hand) trips the value loss."""
-    from actors.learner import Buffered, LearnerCore
+    from gyre_async.core.learner import LearnerCore
     from gyre_async.rl.critic import value_head
 
     cfg = config(tmp_path)
@@ -191,13 +191,16 @@ def test_exploding_value_loss_resets_the_value_head(tmp_path):
     policy = build_policy(cfg)
     core = LearnerCore(cfg, policy)
     scored = make_batch(cfg, policy, store, 1)
-    core.critic.initialised = True  # keep the poisoned head below as the starting critic
+    core.critic.resume()  # keep the poisoned head below as the starting critic
     with torch.no_grad():
         value_head(policy).bias.fill_(40.0)  # V = 40 where returns are <= 1.2
-    core.buffer = [Buffered(s, a, (0, 0)) for s, a in
-                   zip(scored, store.read_many([s.address for s in scored]))]
-    stats = core.train()
-    assert stats["losses/value_loss"] > cfg.learner.divergence_max_value_loss
-    assert [r.reason for r in core.critic.resets] == ["value-loss"]
+    for offset, segment in enumerate(scored):
+        assert core.add(segment, (0, offset)) is None
+    core.attach_arrays(store.read_many(core.buffered_addresses()))
+    result = core.train()
+    assert result.metrics["losses/value_loss"] > cfg.learner.divergence_max_value_loss
+    assert not result.skipped  # the value-loss alarm comes after the update
+    assert [r.reason for r in core.take_critic_resets()] == ["value-loss"]
+    assert core.take_critic_resets() == []  # each reset is announced once
     assert float(value_head(policy).bias.detach()) == pytest.approx(core.critic.prior)
-    assert core.optimizer.param_groups[0]["lr"] == pytest.approx(1.5e-3)
+    assert core.learning_rate == pytest.approx(1.5e-3)

@@ -34,7 +34,7 @@ async def test_withheld_final_segment_ends_its_episode_in_sync_mode(tmp_path):
         await bus.publish(SCORED, [(b"a", encode(finished)), (b"b", encode(failed))])
         learner = Learner(cfg)
         runner = ActorRunner(learner, bus, run_id="tiny", heartbeat_s=30, partitions=1)
-        await _run_until(runner, lambda: learner.version >= 1, timeout=60)
+        await _run_until(runner, lambda: learner.core.version >= 1, timeout=60)
         versions = [e for rec in await read_topics(bus, [POLICY_VERSION])
                     if isinstance(e := decode(POLICY_VERSION, rec.value), PolicyVersion)]
     assert [v.version for v in versions] == [0, 1]

@@ -146,7 +146,7 @@ def test_run_with_macros_elite_and_retention(tmp_path):
     assert versions[-1].metrics["elite/size"] > 0 and versions[-1].metrics["elite/mixed_steps"] > 0
     pool = ElitePool(str(tmp_path / "elite.zarr"), capacity=8)
     from actors.learner import Learner
-    assert Learner(cfg).elite.hashes() == pool.hashes() != []
+    assert Learner(cfg).core.elite.hashes() == pool.hashes() != []
     # Retention deleted consumed segments, while every trained segment of the newest batch
     # (still needed by a restarted learner) and every unconsumed one is still there. (Disk
     # use itself comes back a whole chunk at a time: test_experience.py runs long enough.)

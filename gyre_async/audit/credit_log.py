@@ -8,13 +8,13 @@ Which trajectory outcomes the learner knew at each update is a function of the l
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Literal
 
-from schemas import decode
 from schemas.events import PolicyVersion, Scored
 from schemas.topics import POLICY_VERSION, SCORED
 
 from gyre_async.bus import Bus
-from gyre_async.bus.reading import iter_topics
+from gyre_async.bus.reading import read_events
 from gyre_async.rl.fusion import OutcomeBook
 
 
@@ -23,13 +23,18 @@ def batch_keys(segments: list[Scored]) -> list[tuple[str, str, bool]]:
     return [(s.trajectory_id, s.task_id, s.trajectory_done) for s in segments]
 
 
-async def read_credit_log(bus: Bus) -> tuple[dict[str, Scored], list[PolicyVersion]]:
-    """Every scored segment (log order) and every update the learner published (in order)."""
+async def read_credit_log(bus: Bus, on_bad: Literal["skip", "raise"] = "raise"
+                          ) -> tuple[dict[str, Scored], list[PolicyVersion]]:
+    """Every scored segment (log order) and every update the learner published (in order).
+
+    ``on_bad``: the replay audit raises on an undecodable record (no report on a partial
+    log); the learner's restart skips it, as the live learner dead-lettered it.
+    """
     known = {t.name for t in await bus.topics()}
     scored: dict[str, Scored] = {}
     updates: list[PolicyVersion] = []
-    async for record in iter_topics(bus, [t for t in (SCORED, POLICY_VERSION) if t in known]):
-        event = decode(record.topic, record.value, 1 << 40)
+    topics = [t for t in (SCORED, POLICY_VERSION) if t in known]
+    async for _, event in read_events(bus, topics, on_bad=on_bad):
         if isinstance(event, Scored):
             scored[event.segment_id] = event
         elif isinstance(event, PolicyVersion) and event.reason == "update":
@@ -50,7 +55,7 @@ def replay_outcome_book(book: OutcomeBook, scored: dict[str, Scored],
 async def restore_outcome_book(bus: Bus, group_size: int) -> OutcomeBook:
     """The book as the learner left it after its last published update."""
     book = OutcomeBook(group_size)
-    scored, updates = await read_credit_log(bus)
+    scored, updates = await read_credit_log(bus, on_bad="skip")
     for _ in replay_outcome_book(book, scored, updates):
         pass
     return book

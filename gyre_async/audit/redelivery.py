@@ -12,12 +12,11 @@ the batch of the last version (or two, with a publish retried) can come back.
 
 from __future__ import annotations
 
-from schemas import DecodeError, decode
 from schemas.events import PolicyVersion
 from schemas.topics import POLICY_VERSION
 
 from gyre_async.bus import Bus
-from gyre_async.bus.reading import iter_topics
+from gyre_async.bus.reading import read_events
 
 
 async def recently_trained(bus: Bus, run_id: str, last_versions: int = 8) -> set[str]:
@@ -25,11 +24,7 @@ async def recently_trained(bus: Bus, run_id: str, last_versions: int = 8) -> set
     if POLICY_VERSION not in {t.name for t in await bus.topics()}:
         return set()
     versions: dict[int, list[str]] = {}
-    async for record in iter_topics(bus, [POLICY_VERSION]):
-        try:
-            event = decode(POLICY_VERSION, record.value, 1 << 40)
-        except DecodeError:
-            continue
+    async for _, event in read_events(bus, [POLICY_VERSION], on_bad="skip"):  # a rebuild
         if isinstance(event, PolicyVersion) and event.run_id == run_id:
             versions.setdefault(event.version, []).extend(event.trained_segments)
     recent = sorted(versions)[-last_versions:]

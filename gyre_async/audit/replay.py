@@ -14,14 +14,14 @@ from typing import Any
 
 import msgspec
 
-from schemas import DecodeError, decode, to_builtins
+from schemas import to_builtins
 from schemas.config import Config
 from schemas.topics import TELEMETRY
 
 from gyre_async.runtime.actor import ActorRunner
 from gyre_async.bus import Bus
 from gyre_async.bus.embedded import EmbeddedBus
-from gyre_async.bus.reading import read_topics
+from gyre_async.bus.reading import read_events, read_topics
 from gyre_async.runtime.topology import build_actor
 
 IGNORED_FIELDS = {"ts"}
@@ -52,13 +52,11 @@ class ReplayReport:
         }
 
 
-def _outputs_by_id(records, producer: str) -> dict[str, dict]:
+async def _outputs_by_id(bus: Bus, topics: list[str], producer: str) -> dict[str, dict]:
+    """``producer``'s events on ``topics`` by event id. An undecodable recorded output is
+    skipped (and counted): it then shows in the report as a missing output, by its id."""
     out = {}
-    for record in records:
-        try:
-            event = decode(record.topic, record.value, 1 << 40)
-        except DecodeError:
-            continue
+    async for record, event in read_events(bus, topics, on_bad="skip"):
         if event.producer != producer:
             continue
         body = {k: v for k, v in to_builtins(event).items() if k not in IGNORED_FIELDS}
@@ -89,7 +87,7 @@ async def replay(recorded: Bus, role: str, cfg: Config, *, name: str | None = No
     # makes from them are "not reached", not differences.
     recorded_lag = await recorded.lag(f"{cfg.run.run_id}.{actor.role}", actor.consumes)
     emitted = [t for t in actor.emits if t != TELEMETRY]
-    recorded_out = _outputs_by_id(await read_topics(recorded, emitted), name)
+    recorded_out = await _outputs_by_id(recorded, emitted, name)
     partitions = {t.name: t.partitions for t in await recorded.topics()}
     with tempfile.TemporaryDirectory(prefix="gyre-replay-") as tmp:
         async with EmbeddedBus(f"{tmp}/scratch.db") as scratch:
@@ -121,7 +119,7 @@ async def replay(recorded: Bus, role: str, cfg: Config, *, name: str | None = No
                     break
             runner.stop()
             await task
-            replayed = _outputs_by_id(await read_topics(scratch, emitted), name)
+            replayed = await _outputs_by_id(scratch, emitted, name)
     report.recorded_outputs = len(recorded_out)
     report.replayed_outputs = len(replayed)
     report.missing = sorted(set(recorded_out) - set(replayed))
@@ -151,9 +149,8 @@ async def replay_learner(recorded: Bus, cfg: Config) -> ReplayReport:
     advantages are re-derived from the log too (``gyre_async.audit.credit_log``), and the fusion
     weights the learner recorded per segment are compared with the replayed ones.
     """
-    from actors.learner import Buffered, prepare_batch
-
     from gyre_async.audit.credit_log import read_credit_log, replay_outcome_book
+    from gyre_async.core.learner_batch import BatchItem, prepare_batch
     from gyre_async.policy.factory import build_policy, load_weights
     from gyre_async.rl.fusion import OutcomeBook
     from gyre_async.storage.segments import SegmentNotFound, SegmentStore
@@ -162,9 +159,9 @@ async def replay_learner(recorded: Bus, cfg: Config) -> ReplayReport:
 
     report = ReplayReport(role="learner")
     versions: dict[int, PolicyVersion] = {}
-    for record in await read_topics(recorded, [POLICY_VERSION]):
-        event = decode(POLICY_VERSION, record.value, 1 << 40)
-        versions[event.version] = event
+    async for _, event in read_events(recorded, [POLICY_VERSION], on_bad="raise"):
+        if isinstance(event, PolicyVersion):
+            versions[event.version] = event
     scored, all_updates = await read_credit_log(recorded)
     updates = [u for u in all_updates if u.advantage_digest]
     report.inputs = len(scored)
@@ -172,7 +169,7 @@ async def replay_learner(recorded: Bus, cfg: Config) -> ReplayReport:
     store = SegmentStore(cfg.segmenter.store or f"{cfg.run.run_dir}/segments.zarr",
                          read_only=True)
     policy = build_policy(cfg)
-    L = cfg.learner
+    settings = cfg.learner
     book = OutcomeBook(cfg.sampler.group_size)
     for update, global_adv in replay_outcome_book(book, scored, all_updates):
         if not update.advantage_digest:
@@ -183,18 +180,18 @@ async def replay_learner(recorded: Bus, cfg: Config) -> ReplayReport:
             report.missing.append(update.event_id)
             continue
         await asyncio.to_thread(load_weights, policy, parent.checkpoint, parent.checkpoint_hash)
-        items = [Buffered(scored[sid], {}, (0, 0)) for sid in update.trained_segments]
+        segments = [scored[sid] for sid in update.trained_segments]
         try:
-            arrays = await asyncio.to_thread(store.read_many, [i.scored.address for i in items])
+            arrays = await asyncio.to_thread(store.read_many, [s.address for s in segments])
         except SegmentNotFound:  # deleted by retention (segmenter.retain_bytes)
             report.missing.append(update.event_id)
             continue
-        for item, arr in zip(items, arrays):
-            item.arrays = arr
-        prep = await asyncio.to_thread(prepare_batch, policy, items, L.gamma, L.lam,
-                                       global_adv, L.credit, L.fusion_max_weight)
+        items = [BatchItem(s, a) for s, a in zip(segments, arrays)]
+        prep = await asyncio.to_thread(prepare_batch, policy, items, settings.gamma,
+                                       settings.lam, global_adv, settings.credit,
+                                       settings.fusion_max_weight)
         report.replayed_outputs += 1
-        fields = {}
+        fields: dict[str, dict[str, Any]] = {}
         if prep.digest != update.advantage_digest:
             fields["advantage_digest"] = {"recorded": update.advantage_digest,
                                           "replayed": prep.digest}

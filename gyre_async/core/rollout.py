@@ -20,7 +20,13 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from gyre_async import timing
-from gyre_async.envs.base import Env, EnvFailure, StepResult, guarded_reset, guarded_step
+from gyre_async.envs.base import (
+    Env,
+    EnvFailure,
+    StepResult,
+    guarded_reset,
+    guarded_step,
+)
 from gyre_async.policy.base import Action, Policy, SamplingParams
 from gyre_async.policy.context import ContextBuilder
 from gyre_async.policy.factory import load_weights
@@ -91,7 +97,7 @@ class ActionBatcher:
                 try:
                     await asyncio.wait_for(self._wake.wait(), remaining)
                     self._wake.clear()
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     break
             batch, self._pending = self._pending[: self.max_batch], self._pending[self.max_batch:]
             if self._pending:

@@ -22,8 +22,11 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
+
+DivergenceReason = Literal["advantage", "value-loss"]
 
 
 def value_prior(step_rewards: Sequence[float], gamma: float) -> float:
@@ -82,7 +85,7 @@ def complete_returns(
 
 @dataclass
 class Divergence:
-    reason: str  # "advantage" or "value-loss"
+    reason: DivergenceReason
     max_abs_advantage: float
     value_loss: float
 
@@ -141,6 +144,15 @@ class CriticGuard:
         self.prior = 0.0
         self.updates = 0
         self.resets: list[Divergence] = []
+
+    def resume(self) -> None:
+        """Keep the critic the policy already has (restored from a checkpoint): no prior."""
+        self.initialised = True
+
+    def take_resets(self) -> list[Divergence]:
+        """The resets found since the last call (each is announced once)."""
+        found, self.resets = self.resets, []
+        return found
 
     def start(self, policy, step_rewards: Sequence[float]) -> None:
         """Before the first update only: put the value head on the prior."""

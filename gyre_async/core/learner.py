@@ -1,0 +1,392 @@
+"""The learner's core: which scored segments to train on, the PPO update, rollback, restart.
+
+No bus and no asyncio: ``actors/learner.py`` hands it events, reads the segments' arrays,
+saves checkpoints and publishes what it returns, so everything here is testable on plain
+objects. A long trajectory does not block training: each scored segment is trainable on
+arrival, its value bootstrapped at the segment boundary (V of the context right after it),
+and an update runs once ``batch_steps`` steps are buffered (sync mode: once every episode
+of the version has ended). Each method is one decision of the learner:
+
+- :meth:`LearnerCore.add` admits a scored segment or refuses it (``budget-spent``,
+  ``stale``: more than ``max_staleness`` versions old, ``rolled-back``: sampled before the
+  last rollback); the refusals are counted and come back as :class:`Dropped`.
+- :meth:`LearnerCore.update` runs once :meth:`batch_ready`: a bounded share of elite
+  segments mixed in (they bypass the staleness gate by design and carry no bus offset, so
+  :meth:`commit_floor` never sees them), the injected learning-rate fault applied from the
+  config, one decoupled-PPO update (:meth:`train`: a truncated importance weight
+  pi_prox / pi_behaviour, so moderately stale samples still help; see
+  ``gyre_async.rl.ppo``), and the batch offered to the elite pool.
+  A non-finite batch is refused whole, before any optimizer step.
+- :meth:`LearnerCore.rollback` follows a keeper order (weights already loaded): a fresh
+  optimizer at the order's learning rate (the Adam moments belong to the abandoned
+  lineage), the buffered segments dropped, later segments of older versions refused.
+- :meth:`LearnerCore.restore` resumes after the latest published version; the optimizer
+  state restarts (documented limitation).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Literal
+
+import numpy as np
+import torch
+
+from gyre_async.core.learner_batch import BatchItem, PreparedBatch, prepare_batch
+from gyre_async.experience.elite import ElitePool, offer_trained, sample_for
+from gyre_async.rl.critic import CriticGuard, Divergence, complete_returns
+from gyre_async.rl.finite import NonFiniteBatch, check_batch_finite, check_loss_finite
+from gyre_async.rl.fusion import OutcomeBook
+from gyre_async.rl.ppo import broadcast_step_advantages, ppo_policy_loss, value_loss
+from gyre_async.rl.staleness import StalenessGate
+from gyre_async.storage.checkpoints import CheckpointRef
+from schemas import event_id
+from schemas.config import Config
+from schemas.events import PolicyVersion, RewardFailed, Rollback, Scored
+
+VersionReason = Literal["init", "update", "rollback"]
+
+
+@dataclass
+class Buffered(BatchItem):
+    """A fresh segment waiting for an update, with where its ``scored`` event sits."""
+
+    where: tuple[int, int]  # (partition, offset): the runtime commits no further
+
+
+@dataclass(frozen=True)
+class Dropped:
+    """A segment refused, visibly: the actor announces it as ``segment-dropped``."""
+
+    scored: Scored
+    reason: str
+    staleness: int  # versions between the learner and the segment's oldest step
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """What one update produced, for its ``policy-version`` event."""
+
+    metrics: dict[str, float]
+    advantage_digest: str  # fingerprint of the advantages (``gyre replay learner``)
+    fusion_weights: list[float]  # one per trained segment, in ``trained_segments`` order
+    skipped: bool  # the critic's advantage alarm refused the update (weights untouched)
+    trained_segments: list[str]  # the fresh segments (elite ones never came from the bus)
+
+
+def _finite_or(x: float, fallback: float = -1.0) -> float:
+    """Events carry finite floats: an infinite reading is capped, a NaN becomes ``fallback``."""
+    return fallback if math.isnan(x) else max(min(x, 1e300), -1e300)
+
+
+def _index_slices(n: int, size: int) -> list[list[int]]:
+    return [list(range(start, min(n, start + size))) for start in range(0, n, size)]
+
+
+class LearnerCore:
+    """The learner's state (buffer, optimizer, critic defences, counters) and its update."""
+
+    def __init__(self, cfg: Config, policy, elite: ElitePool | None = None):
+        self.cfg = cfg
+        self.policy = policy
+        self.optimizer = torch.optim.Adam(policy.parameters(), lr=cfg.learner.learning_rate)
+        self.buffer: list[Buffered] = []
+        self.outcomes = OutcomeBook(cfg.sampler.group_size)  # global advantage (rl/fusion.py)
+        self.critic = CriticGuard(cfg.learner, cfg.run.seed)  # critic defences (rl/critic.py)
+        self.gate = StalenessGate(cfg.loop.max_staleness, cfg.learner.batch_steps)
+        self.elite = elite  # None unless elite.capacity > 0
+        self.version = -1  # the last version published
+        self.trained_steps = 0
+        self.dropped = 0  # stale segments since start
+        self.dropped_steps = 0  # steps of every dropped segment: consumed, never trained
+        self.done_trajectories: set[str] = set()  # ended since the last update (sync mode)
+        self.trained_before: set[str] = set()  # see gyre_async.audit.redelivery
+        self.rollbacks_applied = 0  # keeper orders followed (carried in every version)
+        self.rollback_floor = 0  # segments sampled before this version are dropped
+        self.last_metrics: dict[str, float] = {}
+        self._last_batch: tuple[list[BatchItem], torch.Tensor] = ([], torch.zeros(0))
+
+    # -- state ---------------------------------------------------------------------------
+    @property
+    def buffered_steps(self) -> int:
+        return sum(b.steps for b in self.buffer)
+
+    @property
+    def learning_rate(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def set_learning_rate(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def restore(self, latest: PolicyVersion, outcomes: OutcomeBook,
+                trained_before: set[str]) -> None:
+        """Resume after ``latest`` (its weights already loaded): its counters and learning
+        rate, its critic (not a new prior), the outcome book and the recently trained ids
+        rebuilt from the log."""
+        self.version = latest.version
+        self.trained_steps = latest.env_steps
+        self.dropped_steps = max(0, latest.consumed_steps - latest.env_steps)
+        self.set_learning_rate(latest.learning_rate or self.learning_rate)
+        self.critic.resume()
+        self.outcomes = outcomes
+        self.rollbacks_applied = int(latest.metrics.get("keeper/rollbacks_applied", 0))
+        self.trained_before = trained_before
+
+    def commit_floor(self) -> dict[int, int]:
+        """Per partition of ``scored``, the oldest offset still buffered (not yet trained)."""
+        floor: dict[int, int] = {}
+        for item in self.buffer:
+            partition, offset = item.where
+            floor[partition] = min(floor.get(partition, offset), offset)
+        return floor
+
+    def stats(self) -> dict[str, float]:
+        return {"version": float(self.version), "buffered_steps": float(self.buffered_steps),
+                "dropped": float(self.dropped), **self.last_metrics}
+
+    # -- inputs --------------------------------------------------------------------------
+    def already_trained(self, scored: Scored) -> bool:
+        """Trained before a restart and redelivered (at-least-once): not twice."""
+        return scored.segment_id in self.trained_before
+
+    def add(self, scored: Scored, where: tuple[int, int]) -> Dropped | None:
+        """Buffer a scored segment, or refuse it (returned, counted)."""
+        self.outcomes.record(scored.trajectory_id, scored.segment_id, scored.total)
+        max_versions = self.cfg.learner.max_versions
+        if max_versions and self.version >= max_versions:
+            return self._drop(scored, "budget-spent")  # the run is winding down
+        if self.gate.is_stale(scored.min_policy_version, self.version):
+            return self._drop(scored, "stale")
+        if scored.min_policy_version < self.rollback_floor:
+            return self._drop(scored, "rolled-back")
+        self.buffer.append(Buffered(scored, {}, where))
+        if scored.trajectory_done:
+            self.done_trajectories.add(scored.trajectory_id)
+        return None
+
+    def withheld(self, failed: RewardFailed) -> bool:
+        """A segment the arbiter withheld is never trained, but it still ends its trajectory
+        (sync mode counts that episode as over). True if it did."""
+        if failed.trajectory_done and failed.trajectory_id:
+            self.done_trajectories.add(failed.trajectory_id)
+            return True
+        return False
+
+    def follows(self, order: Rollback) -> bool:
+        return order.sequence > self.rollbacks_applied
+
+    def rollback(self, order: Rollback) -> list[Dropped]:
+        """Follow a keeper order whose weights are loaded: a fresh optimizer (no moments of
+        the abandoned lineage) at its learning rate, the buffer dropped, and every segment
+        sampled before the next version refused from now on."""
+        dropped = self.drop_buffer("rolled-back")
+        self.optimizer = torch.optim.Adam(self.policy.parameters())
+        self.set_learning_rate(order.learning_rate)
+        self.done_trajectories.clear()
+        self.rollbacks_applied = order.sequence
+        self.rollback_floor = self.version + 1
+        return dropped
+
+    def drop_buffer(self, reason: str, addresses: dict[str, str] | None = None
+                    ) -> list[Dropped]:
+        """Refuse buffered segments: all of them, or those at ``addresses`` (address ->
+        why, e.g. unreadable), each with ``reason`` followed by that why."""
+        if addresses is None:
+            refused, self.buffer = self.buffer, []
+            return [self._drop(b.scored, reason) for b in refused]
+        refused = [b for b in self.buffer if b.scored.address in addresses]
+        self.buffer = [b for b in self.buffer if b.scored.address not in addresses]
+        return [self._drop(b.scored, f"{reason}: {addresses[b.scored.address]}")
+                for b in refused]
+
+    def _drop(self, scored: Scored, reason: str) -> Dropped:
+        if reason == "stale":
+            self.dropped += 1
+        self.dropped_steps += scored.step_end - scored.step_start
+        return Dropped(scored, reason, self.version - scored.min_policy_version)
+
+    # -- the update ----------------------------------------------------------------------
+    def batch_ready(self) -> bool:
+        if not self.buffer:
+            return False
+        if self.cfg.run.mode == "sync":
+            return len(self.done_trajectories) >= self.cfg.sampler.num_envs
+        return self.buffered_steps >= self.cfg.learner.batch_steps
+
+    def buffered_addresses(self) -> list[str]:
+        return [b.scored.address for b in self.buffer]
+
+    def attach_arrays(self, arrays: Sequence[dict[str, np.ndarray]]) -> None:
+        """The buffered segments' arrays, read in :meth:`buffered_addresses` order."""
+        for item, array in zip(self.buffer, arrays):
+            item.arrays = array
+
+    def update(self) -> TrainResult | list[Dropped]:
+        """One update on the buffered segments (arrays attached), elite ones mixed in."""
+        fresh = list(self.buffer)  # refused together if non-finite (elite picks aside)
+        steps = self.buffered_steps
+        staleness = max(self.version - b.scored.min_policy_version for b in fresh)
+        elite: list[BatchItem] = []
+        if self.elite is not None:  # elite segments bypass the staleness gate (by design)
+            elite = [BatchItem(scored, arrays)
+                     for scored, arrays in sample_for(self.elite, fresh, self.version + 1)]
+        settings = self.cfg.learner
+        spike = (settings.fault_lr_spike_factor
+                 if self.version + 1 == settings.fault_lr_spike_version else 1.0)
+        self.set_learning_rate(self.learning_rate * spike)  # fault injection (config)
+        try:
+            result = self.train(elite)
+        except NonFiniteBatch as exc:  # refused before optimizer.step, visibly, per segment
+            self.done_trajectories.clear()
+            return [self._drop(b.scored, exc.reason) for b in fresh]
+        finally:
+            self.set_learning_rate(self.learning_rate / spike)
+        metrics = dict(result.metrics)
+        if self.elite is not None:
+            offer_trained(self.elite, *self._last_batch)
+            metrics.update(self.elite.stats())
+        metrics["charts/max_staleness_seen"] = float(staleness)
+        self.last_metrics = metrics
+        self.trained_steps += steps
+        self.done_trajectories.clear()
+        return replace(result, metrics=metrics)
+
+    def train(self, elite: Sequence[BatchItem] = ()) -> TrainResult:
+        """One PPO update on everything buffered (plus ``elite``); empties the buffer."""
+        settings = self.cfg.learner
+        fresh, self.buffer = self.buffer, []
+        items: list[BatchItem] = [*fresh, *elite]
+        global_adv = self.outcomes.global_advantages(
+            [(b.scored.trajectory_id, b.scored.task_id, b.scored.trajectory_done)
+             for b in items])
+        prep = prepare_batch(self.policy, items, settings.gamma, settings.lam, global_adv,
+                             settings.credit, settings.fusion_max_weight)
+        ids = [it.scored.segment_id for it in items]
+        check_batch_finite({sid: {"rewards": it.scored.step_rewards,
+                                  "action_logprobs": it.arrays["action_logprobs"]}
+                            for sid, it in zip(ids, items)},
+                           {"values": prep.values, "advantages": prep.advantages,
+                            "returns": prep.returns}, ids)
+        self._last_batch = (items, prep.values)  # the elite pool reads the critic's values
+
+        def result(metrics: dict[str, float], skipped: bool) -> TrainResult:
+            return TrainResult(metrics, prep.digest, prep.fusion_weights[:len(fresh)],
+                               skipped, [b.scored.segment_id for b in fresh])
+
+        self.critic.start(self.policy, prep.rewards)
+        if self.critic.screen(self.policy, self.optimizer, prep.local_advantages):
+            return result({**prep.credit_stats(), "critic/skipped_update": 1.0}, True)
+        metrics = self._optimise(prep, ids)
+        metrics.update({
+            "charts/batch_steps": float(prep.n), "charts/batch_segments": float(len(items)),
+            "charts/mean_reward": float(np.mean(prep.rewards)),
+            "charts/mean_value": float(prep.values.mean()),
+            "charts/mean_return": float(prep.returns.mean()),
+        })
+        self.critic.after_update(self.policy, self.optimizer, metrics["losses/value_loss"],
+                                 float(prep.local_advantages.abs().max()))
+        if self.critic.refit_due():
+            metrics["losses/value_refit"] = self._refit(items, prep)
+        metrics.update(prep.credit_stats())
+        return result(metrics, False)
+
+    def _optimise(self, prep: PreparedBatch, ids: list[str]) -> dict[str, float]:
+        """Decoupled PPO epochs over ``prep`` (see ``gyre_async.rl.ppo``); mean losses."""
+        settings = self.cfg.learner
+        n, contexts, actions = prep.n, prep.contexts, prep.actions
+        adv = prep.advantages
+        adv_norm = (adv - adv.mean()) / (adv.std() + 1e-8) if n > 1 else adv
+        width = max(len(a) for a in actions)
+        behaviour = torch.zeros(n, width)
+        token_mask = torch.zeros(n, width, dtype=torch.bool)
+        for i, logprobs in enumerate(prep.behaviour_logprobs):
+            behaviour[i, : len(logprobs)] = torch.tensor(logprobs)
+            token_mask[i, : len(logprobs)] = True
+        with torch.no_grad():
+            proximal = torch.zeros(n, width)
+            for rows in _index_slices(n, 1024):
+                out = self.policy.evaluate([contexts[i] for i in rows],
+                                           [actions[i] for i in rows])
+                proximal[rows, : out.logprobs.shape[1]] = out.logprobs.float()
+        check_batch_finite({}, {"proximal_logprobs": proximal}, ids)
+        stats: dict[str, list[float]] = {}
+        gen = torch.Generator().manual_seed(n)
+        for _ in range(settings.epochs):
+            perm = torch.randperm(n, generator=gen).tolist()
+            for start in range(0, n, settings.minibatch_steps):
+                mb = perm[start : start + settings.minibatch_steps]
+                out = self.policy.evaluate([contexts[i] for i in mb], [actions[i] for i in mb])
+                cols = out.logprobs.shape[1]
+                mask = token_mask[mb, :cols]
+                tok_adv = broadcast_step_advantages(adv_norm[mb], mask)
+                policy_loss, policy_stats = ppo_policy_loss(
+                    out.logprobs, proximal[mb, :cols], behaviour[mb, :cols], tok_adv, mask,
+                    settings.clip_eps, settings.is_cap)
+                critic_loss = value_loss(out.values.float(), prep.values[mb], prep.returns[mb],
+                                         clip=settings.value_clip or None)
+                entropy = (out.entropy * mask).sum() / mask.sum().clamp(min=1)
+                loss = (policy_loss + settings.value_coef * critic_loss
+                        - settings.entropy_coef * entropy)
+                check_loss_finite(loss, ids)
+                self.optimizer.zero_grad()
+                loss.backward()
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(),
+                                                           settings.max_grad_norm)
+                self.optimizer.step()
+                for key, val in {**policy_stats, "policy_loss": float(policy_loss.detach()),
+                                 "value_loss": float(critic_loss.detach()),
+                                 "entropy": float(entropy.detach()),
+                                 "grad_norm": float(grad_norm)}.items():
+                    stats.setdefault(key, []).append(val)
+        return {f"losses/{k}": float(np.mean(vals)) for k, vals in stats.items()}
+
+    def _refit(self, items: list[BatchItem], prep: PreparedBatch) -> float:
+        """The critic's periodic supervised refit on the batch's complete Monte-Carlo returns."""
+        mc = complete_returns([it.scored.step_rewards for it in items],
+                              [it.scored.trajectory_id for it in items],
+                              [it.scored.step_start for it in items],
+                              [it.terminal for it in items], self.cfg.learner.gamma)
+        flat = [r for row in mc for r in row]
+        keep = [i for i, r in enumerate(flat) if r is not None]
+        if not keep:
+            return 0.0
+        return self.critic.refit(self.policy, self.optimizer, [prep.contexts[i] for i in keep],
+                                 [prep.actions[i] for i in keep],
+                                 torch.tensor([flat[i] for i in keep]),
+                                 self.cfg.learner.max_grad_norm)
+
+    def take_critic_resets(self) -> list[Divergence]:
+        """Critic resets since the last call, to announce once each (readings made finite:
+        a NaN value loss reads -1, an infinite advantage the largest float an event takes)."""
+        return [replace(found, max_abs_advantage=_finite_or(found.max_abs_advantage),
+                        value_loss=_finite_or(found.value_loss))
+                for found in self.critic.take_resets()]
+
+    # -- outputs -------------------------------------------------------------------------
+    def publish(self, reason: VersionReason, checkpoint: CheckpointRef, producer: str,
+                metrics: dict[str, float], update: TrainResult | None = None
+                ) -> PolicyVersion:
+        """The next ``policy-version`` (its weights saved at ``checkpoint``); the learner is
+        the only writer of version numbers."""
+        version = self.version + 1
+        max_versions = self.cfg.learner.max_versions
+        final = bool(max_versions and version >= max_versions)
+        run_id = self.cfg.run.run_id
+        event = PolicyVersion(
+            event_id=event_id("policy-version", run_id, version, reason),
+            run_id=run_id, producer=producer, key="policy", version=version,
+            checkpoint=checkpoint.address, checkpoint_hash=checkpoint.sha256,
+            parent=self.version if self.version >= 0 else None, reason=reason,
+            learning_rate=self.learning_rate, env_steps=self.trained_steps,
+            consumed_steps=self.trained_steps + self.dropped_steps,
+            metrics={**metrics, "charts/dropped_segments": float(self.dropped),
+                     "final": 1.0 if final else 0.0,
+                     "keeper/rollbacks_applied": float(self.rollbacks_applied)},
+            trained_segments=list(update.trained_segments) if update else [],
+            advantage_digest=update.advantage_digest if update else "",
+            fusion_weights=list(update.fusion_weights) if update else [])
+        self.version = version
+        return event

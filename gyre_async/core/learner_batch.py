@@ -1,0 +1,130 @@
+"""A learner batch: scored segments flattened to steps, with values and fused advantages.
+
+:func:`prepare_batch` is pure given the policy weights and the segments, so the learner
+(before each update) and ``gyre replay learner`` (after the fact, from the parent
+checkpoint) derive exactly the same advantages; :attr:`PreparedBatch.digest` is the
+fingerprint the audit compares.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from gyre_async.rl.advantages import segment_gae
+from gyre_async.rl.fusion import CreditMode, fuse_segments
+from schemas.events import Scored
+
+
+@dataclass
+class BatchItem:
+    """A scored segment and its arrays (empty until read from the segment store)."""
+
+    scored: Scored
+    arrays: dict[str, np.ndarray]
+
+    @property
+    def steps(self) -> int:
+        return self.scored.step_end - self.scored.step_start
+
+    @property
+    def terminal(self) -> bool:
+        """The trajectory really ended at this segment's last step (no value bootstrap)."""
+        return bool(self.arrays["terminal"][0])
+
+
+@dataclass
+class PreparedBatch:
+    """A batch flattened to steps, with values and segment-level GAE advantages."""
+
+    contexts: list[list[int]]
+    actions: list[list[int]]
+    behaviour_logprobs: list[list[float]]
+    rewards: list[float]
+    values: torch.Tensor
+    advantages: torch.Tensor  # fused (before batch normalisation), one per step
+    returns: torch.Tensor
+    local_advantages: torch.Tensor  # raw segment GAE, one per step
+    fusion_weights: list[float]  # weight of the global outcome advantage, one per segment
+    global_known: int = 0  # segments whose trajectory outcome was known
+
+    def credit_stats(self) -> dict[str, float]:
+        weights = self.fusion_weights or [0.0]
+        return {"credit/fusion_weight_mean": float(np.mean(weights)),
+                "credit/fusion_weight_max": float(np.max(weights)),
+                "credit/segments_with_outcome": float(self.global_known),
+                "credit/max_abs_local_advantage": float(self.local_advantages.abs().max())
+                if self.n else 0.0}
+
+    @property
+    def n(self) -> int:
+        return len(self.contexts)
+
+    @property
+    def digest(self) -> str:
+        """Fingerprint of the advantages (the replay audit recomputes and compares it)."""
+        data = self.advantages.detach().to(torch.float32).numpy().tobytes()
+        return hashlib.sha256(data).hexdigest()[:32]
+
+
+def _rows(tokens: np.ndarray, lengths: np.ndarray) -> list[list[int]]:
+    return [tokens[i, : int(lengths[i])].tolist() for i in range(len(lengths))]
+
+
+def prepare_batch(policy, items: Sequence[BatchItem], gamma: float, lam: float,
+                  global_adv: list[float] | None = None, credit: CreditMode = "gae",
+                  w_max: float = 0.8) -> PreparedBatch:
+    """Values under ``policy``, GAE inside each segment bootstrapped at its boundary, fused
+    with the per-segment global outcome advantage (``global_adv``, NaN: unknown; see
+    ``gyre_async.rl.fusion``).
+
+    Pure given the policy weights and the segments: ``gyre replay learner`` calls it with
+    the parent checkpoint to re-derive exactly the advantages each update used.
+    """
+    contexts: list[list[int]] = []
+    actions: list[list[int]] = []
+    behaviour: list[list[float]] = []
+    rewards: list[float] = []
+    for item in items:
+        arrays = item.arrays
+        contexts += _rows(arrays["context_tokens"], arrays["context_len"])
+        act_len = arrays["action_mask"].sum(axis=1)
+        actions += _rows(arrays["action_tokens"], act_len)
+        behaviour += [arrays["action_logprobs"][i, : int(act_len[i])].tolist()
+                      for i in range(len(act_len))]
+        rewards += list(item.scored.step_rewards)
+    with torch.no_grad():
+        values = policy.values(contexts).float()
+        boots = [it.arrays["bootstrap_context"][0, : int(it.arrays["bootstrap_len"][0])].tolist()
+                 for it in items]
+        need = [i for i, b in enumerate(boots) if b and not items[i].terminal]
+        boot_values = torch.zeros(len(items))
+        if need:
+            boot_values[need] = policy.values([boots[i] for i in need]).float()
+    width = max(it.steps for it in items)
+    segments = len(items)
+    reward2d = torch.zeros(segments, width)
+    value2d = torch.zeros(segments, width)
+    mask = torch.zeros(segments, width, dtype=torch.bool)
+    seg_of_step, step_in_seg = [], []
+    pos = 0
+    for k, it in enumerate(items):
+        reward2d[k, : it.steps] = torch.tensor(it.scored.step_rewards)
+        value2d[k, : it.steps] = values[pos : pos + it.steps]
+        mask[k, : it.steps] = True
+        seg_of_step += [k] * it.steps
+        step_in_seg += list(range(it.steps))
+        pos += it.steps
+    terminal = torch.tensor([it.terminal for it in items])
+    adv2d, ret2d = segment_gae(reward2d, value2d, mask, boot_values, terminal, gamma, lam)
+    outcome = torch.tensor(global_adv if global_adv is not None else [float("nan")] * segments)
+    fused2d, weights = fuse_segments(adv2d, mask, outcome, credit, w_max)
+    k_index, t_index = torch.tensor(seg_of_step), torch.tensor(step_in_seg)
+    return PreparedBatch(contexts, actions, behaviour, rewards, values,
+                         fused2d[k_index, t_index], ret2d[k_index, t_index],
+                         adv2d[k_index, t_index], weights.tolist(),
+                         int((~torch.isnan(outcome)).sum()))

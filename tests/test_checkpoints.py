@@ -81,7 +81,8 @@ def test_save_is_idempotent_and_never_overwrites(tmp_path):
     assert second.address != first.address
     assert_same(store.load(first.address, first.sha256)[0], weights(1))
     assert [r.address for r in store.list()] == [first.address, second.address]
-    assert not [p for p in (tmp_path / "ckpt").iterdir() if p.name.startswith(".tmp")]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == sorted(  # no temporaries
+        r.address.rsplit("/", 1)[-1] for r in (first, second))
 
 
 def test_latest_and_list(tmp_path):

@@ -46,11 +46,10 @@ def test_a_write_that_raises_midway_leaves_the_target_unchanged(tmp_path, fsyncs
     target = tmp_path / "report.html"
     atomic_write_text(target, "complete old report")
     fsyncs.clear()
-    with pytest.raises(RuntimeError, match="renderer crashed"):
-        with atomic_writer(target, "w") as f:
-            f.write("half of a new rep")
-            f.flush()
-            raise RuntimeError("renderer crashed")
+    with pytest.raises(RuntimeError, match="renderer crashed"), atomic_writer(target, "w") as f:
+        f.write("half of a new rep")
+        f.flush()
+        raise RuntimeError("renderer crashed")
     assert target.read_text() == "complete old report"
     assert os.listdir(tmp_path) == ["report.html"]
     assert fsyncs == []
@@ -71,9 +70,8 @@ def test_a_failed_fsync_never_publishes(tmp_path, monkeypatch):
 def test_text_mode_encodes_utf8_and_rejects_other_modes(tmp_path):
     atomic_write_text(tmp_path / "t.txt", "café")
     assert (tmp_path / "t.txt").read_bytes() == "café".encode()
-    with pytest.raises(ValueError, match="mode"):
-        with atomic_writer(tmp_path / "a.txt", "a"):
-            pass
+    with pytest.raises(ValueError, match="mode"), atomic_writer(tmp_path / "a.txt", "a"):
+        pass
 
 
 def test_directory_is_published_whole_or_not_at_all(tmp_path, fsyncs):
@@ -87,10 +85,9 @@ def test_directory_is_published_whole_or_not_at_all(tmp_path, fsyncs):
     staged_files = [p for p in fsyncs if p.endswith(("/weights", "/config.json"))]
     assert len(staged_files) == 2 and all("/.m." in p for p in staged_files)
 
-    with pytest.raises(RuntimeError):
-        with atomic_directory(target) as staging:
-            (staging / "weights").write_bytes(b"2, half")
-            raise RuntimeError("conversion failed")
+    with pytest.raises(RuntimeError), atomic_directory(target) as staging:
+        (staging / "weights").write_bytes(b"2, half")
+        raise RuntimeError("conversion failed")
     assert (target / "weights").read_bytes() == b"1"
     assert os.listdir(target.parent) == ["m"]
 
@@ -113,7 +110,6 @@ def test_a_failed_directory_rename_restores_the_old_folder(tmp_path, monkeypatch
         real(src, dst)
 
     monkeypatch.setattr(atomic.os, "replace", failing)
-    with pytest.raises(OSError):
-        with atomic_directory(target) as staging:
-            (staging / "weights").write_bytes(b"new")
+    with pytest.raises(OSError), atomic_directory(target) as staging:
+        (staging / "weights").write_bytes(b"new")
     assert os.listdir(tmp_path) == ["m"] and (target / "weights").read_bytes() == b"old"

@@ -35,8 +35,8 @@ from safetensors import safe_open
 from safetensors.torch import load as st_load
 
 from gyre_async.faultpoints import pause_point
-from gyre_async.storage.errors import CheckpointCorrupt, CheckpointError, as_storage_full
 from gyre_async.storage.atomic import atomic_writer
+from gyre_async.storage.errors import CheckpointCorrupt, CheckpointError, as_storage_full
 from gyre_async.storage.urls import fsync_dir, normalize_store_url
 
 __all__ = ["CheckpointCorrupt", "CheckpointError", "CheckpointRef", "CheckpointStore"]

@@ -196,6 +196,9 @@ def test_another_format_or_a_header_without_config_that_does_not_fit_is_refused(
     foreign = store.save(1, tensors, {"format": "gyre-hf-policy"})
     with pytest.raises(CheckpointMismatch, match="gyre-hf-policy"):
         load_weights(tiny_policy(), foreign.address, foreign.sha256)
+    newer = store.save(3, tensors, {"model_config": '{"vocab_size": 264, "wings": 2}'})
+    with pytest.raises(CheckpointMismatch, match="wings"):  # a config this code cannot read
+        load_weights(tiny_policy(), newer.address, newer.sha256)
     # A header that records no model config (a plain tensor copy) is checked by shape.
     small = store.save(2, tiny_policy(d_model=32).state_dict(), {"why": "copy"})
     with pytest.raises(CheckpointMismatch, match="does not fit this policy"):

@@ -3,7 +3,7 @@
 A SIGKILL at a random moment rarely lands inside a write that takes a millisecond, so the
 chaos run could not show that a process killed *mid-write* leaves nothing half-written
 visible. These points make that moment wide enough to hit, honestly: the process really
-is inside the write (Zarr rows written, index page not yet; checkpoint temp file fsynced,
+is inside the write (Zarr rows written, index page not yet; checkpoint temp file written,
 not yet renamed into place) when the kill arrives.
 
 Off unless ``GYRE_FAULT_POINTS`` names the point (comma-separated). When on, with

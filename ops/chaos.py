@@ -13,7 +13,7 @@ What it does:
    ``--min-gap``..``--max-gap`` s before each). Most kills are timed at random; a share of
    the segmenter's and learner's kills are aimed *inside a write*: the roles run with the
    fault points of ``gyre_async.faultpoints`` on (``segment-write``: Zarr rows written, index
-   page not yet; ``checkpoint-save``: checkpoint temp file fsynced, not yet renamed), where
+   page not yet; ``checkpoint-save``: checkpoint temp file written, not yet renamed), where
    they pause with a marker file up, and the kill is sent while the marker of that PID
    exists. A kill counts as mid-write only when the marker was seen;
 3. waits until training has gone on after the last kill (``--settle-versions`` new policy

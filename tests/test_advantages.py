@@ -14,6 +14,8 @@ from gyre_async.rl.advantages import (
     fusion_weight,
     group_outcome_advantage,
     segment_gae,
+)
+from reference_advantages import (
     slow_fuse_advantages,
     slow_fusion_weight,
     slow_group_outcome_advantage,

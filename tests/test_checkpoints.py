@@ -1,4 +1,5 @@
-"""Checkpoint store: round trips, idempotence, corruption, atomicity, other processes."""
+"""Checkpoint store: round trips, idempotence, corruption, atomicity, other processes; and
+policies through it (save_weights / load_weights), refusing a checkpoint of another model."""
 
 from __future__ import annotations
 
@@ -8,9 +9,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 
+from gyre_async.policy.base import CheckpointMismatch
+from gyre_async.policy.factory import load_weights, save_weights
+from gyre_async.policy.tokenizer import ByteTokenizer
+from gyre_async.policy.torch_policy import ModelConfig, TorchPolicy
 from gyre_async.storage.checkpoints import CheckpointStore
 from gyre_async.storage.errors import CheckpointCorrupt, CheckpointError
 
@@ -81,7 +87,8 @@ def test_save_is_idempotent_and_never_overwrites(tmp_path):
     assert second.address != first.address
     assert_same(store.load(first.address, first.sha256)[0], weights(1))
     assert [r.address for r in store.list()] == [first.address, second.address]
-    assert not [p for p in (tmp_path / "ckpt").iterdir() if p.name.startswith(".tmp")]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == sorted(  # no temporaries
+        r.address.rsplit("/", 1)[-1] for r in (first, second))
 
 
 def test_latest_and_list(tmp_path):
@@ -150,3 +157,51 @@ def test_load_in_another_process(tmp_path):
     why, total = proc.stdout.split()
     assert why == "rollback"
     assert float(total) == pytest.approx(float(w["embed.weight"].double().sum()))
+
+
+# -- policies through the store: the live load path (learner restart/rollback, samplers) ----
+
+def tiny_policy(seed: int = 0, **overrides) -> TorchPolicy:
+    shape = {"d_model": 16, "n_heads": 2, "max_len": 32, **overrides}
+    config = ModelConfig(vocab_size=ByteTokenizer.vocab_size, **shape)
+    return TorchPolicy(config, ByteTokenizer(), seed=seed)
+
+
+def test_policy_weights_round_trip_and_record_the_model_config(tmp_path):
+    store = CheckpointStore(str(tmp_path / "ckpt"))
+    policy = tiny_policy(seed=1)
+    ref = save_weights(store, policy, 3, {"why": "update"})
+    _, meta = store.load(ref.address, ref.sha256)
+    assert msgspec.json.decode(meta["model_config"], type=ModelConfig) == policy.config
+    assert meta["format"] == "gyre-torch-policy" and meta["why"] == "update"
+    other = tiny_policy(seed=2)
+    assert not torch.equal(other.state_dict()["tok_emb.weight"], policy.state_dict()["tok_emb.weight"])
+    load_weights(other, ref.address, ref.sha256)
+    assert_same(other.state_dict(), policy.state_dict())
+
+
+def test_a_checkpoint_of_another_model_config_is_refused_naming_both(tmp_path):
+    store = CheckpointStore(str(tmp_path / "ckpt"))
+    ref = save_weights(store, tiny_policy(d_model=32), 1)
+    with pytest.raises(CheckpointMismatch) as err:
+        load_weights(tiny_policy(), ref.address, ref.sha256)
+    message = str(err.value)
+    assert ref.address in message
+    assert '"d_model":32' in message and '"d_model":16' in message  # theirs and mine
+
+
+def test_another_format_or_a_header_without_config_that_does_not_fit_is_refused(tmp_path):
+    store = CheckpointStore(str(tmp_path / "ckpt"))
+    tensors = tiny_policy().state_dict()
+    foreign = store.save(1, tensors, {"format": "gyre-hf-policy"})
+    with pytest.raises(CheckpointMismatch, match="gyre-hf-policy"):
+        load_weights(tiny_policy(), foreign.address, foreign.sha256)
+    newer = store.save(3, tensors, {"model_config": '{"vocab_size": 264, "wings": 2}'})
+    with pytest.raises(CheckpointMismatch, match="wings"):  # a config this code cannot read
+        load_weights(tiny_policy(), newer.address, newer.sha256)
+    # A header that records no model config (a plain tensor copy) is checked by shape.
+    small = store.save(2, tiny_policy(d_model=32).state_dict(), {"why": "copy"})
+    with pytest.raises(CheckpointMismatch, match="does not fit this policy"):
+        load_weights(tiny_policy(), small.address, small.sha256)
+    with pytest.raises(CheckpointCorrupt):  # the hash is still checked first
+        load_weights(tiny_policy(), small.address, "0" * 64)

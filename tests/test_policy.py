@@ -1,10 +1,10 @@
-"""Tokenizers, bounded contexts, the torch policy (acting, evaluation, checkpoints)."""
+"""Tokenizers, bounded contexts, the torch policy (acting, evaluation); its checkpoints are
+tested with the checkpoint store (test_checkpoints.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import hashlib
 import math
 
 import pytest
@@ -13,7 +13,6 @@ import torch
 from gyre_async.envs import ACTION_WORDS, VOCAB, WorkshopConfig, WorkshopEnv, oracle_action
 from gyre_async.policy import (
     ByteTokenizer,
-    CheckpointMismatch,
     ContextBuilder,
     ModelConfig,
     SamplingParams,
@@ -181,46 +180,6 @@ def test_value_head_starts_at_the_prior():
     values = TorchPolicy(config, TOK, value_prior=0.25).values(CONTEXTS)
     assert values.shape == (len(CONTEXTS),) and torch.allclose(values, torch.tensor(0.25),
                                                                atol=0.01)
-
-
-# -- checkpoints ------------------------------------------------------------------------------
-
-def test_save_load_round_trip(tmp_path):
-    policy = make_policy(seed=1)
-    policy.version = 7
-    path = tmp_path / "ckpt" / "policy-7.safetensors"
-    digest = policy.save(path)
-    assert digest == hashlib.sha256(path.read_bytes()).hexdigest()
-    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary left behind
-    other = make_policy(seed=2)
-    actions = [a.tokens for a in policy.act_batch(CONTEXTS, SamplingParams(), seed=3)]
-    before = other.evaluate(CONTEXTS, actions).logprobs
-    other.load(path, expected_sha256=digest)
-    assert other.version == 7
-    expected = policy.evaluate(CONTEXTS, actions)
-    got = other.evaluate(CONTEXTS, actions)
-    assert torch.equal(got.logprobs, expected.logprobs) and torch.equal(got.values,
-                                                                        expected.values)
-    assert not torch.equal(before, expected.logprobs)
-    rebuilt = TorchPolicy.from_checkpoint(path, digest)
-    assert torch.equal(rebuilt.evaluate(CONTEXTS, actions).logprobs, expected.logprobs)
-
-
-def test_corrupt_or_foreign_checkpoint_is_refused(tmp_path):
-    policy = make_policy()
-    path = tmp_path / "p.safetensors"
-    digest = policy.save(path)
-    data = bytearray(path.read_bytes())
-    data[-10] ^= 0xFF
-    path.write_bytes(bytes(data))
-    with pytest.raises(CheckpointMismatch, match="sha256"):
-        make_policy().load(path, expected_sha256=digest)
-    (tmp_path / "junk.safetensors").write_bytes(b"not a checkpoint at all")
-    with pytest.raises(CheckpointMismatch, match="not a readable"):
-        make_policy().load(tmp_path / "junk.safetensors")
-    digest = make_policy(d_model=32).save(tmp_path / "small.safetensors")
-    with pytest.raises(CheckpointMismatch, match="saved with"):
-        make_policy().load(tmp_path / "small.safetensors", digest)
 
 
 # -- it can learn -----------------------------------------------------------------------------

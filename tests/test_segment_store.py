@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import os
@@ -19,7 +18,6 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from gyre_async.storage import (
-    GroupCommitWriter,
     SegmentConflict,
     SegmentCorrupt,
     SegmentNotFound,
@@ -334,29 +332,9 @@ def test_concurrent_read_while_writing_never_sees_partial_data(tmp_path):
     assert reads > 100  # the reader did overlap with the writer
 
 
-def test_group_commit_batches_and_isolates_errors(tmp_path):
-    store = SegmentStore(str(tmp_path / "seg"))
-    store.write("taken", make_segment("taken"))
-
-    async def main():
-        writer = GroupCommitWriter(store, max_batch=16, max_delay_s=0.01)
-        jobs = [writer.write(f"g{i}", make_segment(f"g{i}", steps=4)) for i in range(40)]
-        jobs.append(writer.write("taken", make_segment("other")))
-        results = await asyncio.gather(*jobs, return_exceptions=True)
-        await writer.flush()
-        return results
-
-    results = asyncio.run(main())
-    assert isinstance(results[-1], SegmentConflict)
-    for i, ref in enumerate(results[:-1]):
-        assert_same(store.read(ref.address), make_segment(f"g{i}", steps=4))
-    pages = list((tmp_path / "seg" / "index").iterdir())
-    assert len(pages) < 1 + 40 + 1  # far fewer pages than segments
-
-
 def test_throughput_smoke(tmp_path):
     """Batched writes and reads must run at hundreds-to-thousands of segments per second
-    (full benchmark: python -m gyre_async.storage.bench_segments)."""
+    (full benchmark: python ops/bench/segments.py)."""
     store = SegmentStore(str(tmp_path / "seg"))
     segs = [(f"t{i}", make_segment(f"t{i}", steps=32)) for i in range(1000)]
     t0 = time.perf_counter()

@@ -123,9 +123,9 @@ class ScienceWorldEnv(TextGameEnv):
         self._server.load(task, variation, self.simplification, True)
         gold = [str(a) for a in self._server.getGoldActionSequence()]
         self._server.load(task, variation, self.simplification, False)
-        from gyre_async.policy.base import write_atomic
+        from gyre_async.storage.atomic import atomic_write_bytes
 
-        write_atomic(path, json.dumps(gold).encode())
+        atomic_write_bytes(path, json.dumps(gold).encode())
         return gold
 
     def vocabulary_text(self) -> list[str]:

@@ -235,7 +235,7 @@ def game_vocabulary(env_name: str, env_config: dict[str, Any] | None = None,
     import os
 
     from gyre_async.envs.cache import cache_dir
-    from gyre_async.policy.base import write_atomic
+    from gyre_async.storage.atomic import atomic_write_bytes
 
     config = dict(env_config or {})
     n = int(config.pop("vocab_episodes", episodes_per_split or 40))
@@ -247,9 +247,9 @@ def game_vocabulary(env_name: str, env_config: dict[str, Any] | None = None,
             data = json.load(f)
         return Vocabulary(data["words"], data["action_words"])
     vocab = _collect_vocabulary(env_name, keyed, n)
-    write_atomic(path, json.dumps({"env": env_name, "env_config": keyed, "episodes": n,
-                                   "words": vocab.words,
-                                   "action_words": vocab.action_words}).encode())
+    atomic_write_bytes(path, json.dumps({"env": env_name, "env_config": keyed, "episodes": n,
+                                         "words": vocab.words,
+                                         "action_words": vocab.action_words}).encode())
     return vocab
 
 

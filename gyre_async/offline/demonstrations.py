@@ -54,10 +54,10 @@ class Demonstration(msgspec.Struct, kw_only=True):
 
 def write_demonstrations(path: str, demos: Iterable[Demonstration]) -> int:
     """Write JSONL atomically; returns how many episodes were written."""
-    from gyre_async.policy.base import write_atomic
+    from gyre_async.storage.atomic import atomic_write_bytes
 
     lines = [msgspec.json.encode(d) for d in demos]
-    write_atomic(path, b"".join(line + b"\n" for line in lines))
+    atomic_write_bytes(path, b"".join(line + b"\n" for line in lines))
     return len(lines)
 
 

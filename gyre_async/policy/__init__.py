@@ -12,8 +12,6 @@ from gyre_async.policy.base import (
     EvalOutput,
     Policy,
     SamplingParams,
-    read_checkpoint,
-    write_atomic,
 )
 from gyre_async.policy.context import ContextBuilder, summarize_milestones
 from gyre_async.policy.tokenizer import (
@@ -29,6 +27,6 @@ from gyre_async.policy.torch_policy import CausalLMPolicy, ModelConfig, TinyTran
 __all__ = [
     "Action", "BaseTokenizer", "ByteTokenizer", "CausalLMPolicy", "CheckpointMismatch",
     "ContextBuilder", "EvalOutput", "ModelConfig", "Policy", "SPECIAL_TOKENS", "SamplingParams",
-    "TinyTransformer", "TorchPolicy", "WordTokenizer", "read_checkpoint", "tokenizer_for_env",
-    "summarize_milestones", "tokenizer_from_json", "write_atomic",
+    "TinyTransformer", "TorchPolicy", "WordTokenizer", "tokenizer_for_env",
+    "summarize_milestones", "tokenizer_from_json",
 ]

@@ -13,29 +13,27 @@ Log-probabilities, decided once for every backend:
 Generation stops at ``<eos>`` or after ``max_action_tokens``; an emitted ``<eos>`` is part
 of ``Action.tokens`` (and has a log-prob), so the learner also trains the decision to stop.
 
-Checkpoints are safetensors files written atomically (temporary file, fsync, rename, fsync
-of the directory): a reader sees the old file or the new one, never half of one. ``save``
-returns the file's sha256, which the ``policy-version`` event carries; ``load`` checks it
-and raises :class:`CheckpointMismatch` when the bytes are not the published ones.
+Checkpoints: one codec, :class:`gyre_async.storage.checkpoints.CheckpointStore`
+(content-addressed safetensors, atomic, sha256-checked); policies only say what goes into a
+checkpoint's header (:meth:`Policy.checkpoint_metadata`: format, model config, tokenizer)
+and whether a header fits them (:meth:`Policy.check_checkpoint`, called by
+:meth:`Policy.load_checkpoint`).
+:func:`gyre_async.policy.factory.save_weights` and ``load_weights`` join the two.
 """
 
 from __future__ import annotations
 
 import abc
-import hashlib
-import json
-import os
-import struct
-import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
+from gyre_async.storage.errors import CheckpointError
 
-class CheckpointMismatch(Exception):
-    """A checkpoint file is not the one expected (hash, format or shapes differ)."""
+
+class CheckpointMismatch(CheckpointError):
+    """A checkpoint that does not fit this policy: another format, model config or shapes."""
 
 
 @dataclass(frozen=True)
@@ -116,63 +114,23 @@ class Policy(abc.ABC):
         """Strings stored in the checkpoint header (config, tokenizer, version)."""
         return {"version": str(self.version)}
 
-    def save(self, path: str | os.PathLike[str]) -> str:
-        """Write weights atomically to ``path``; return the file's sha256 hex digest."""
-        from safetensors.torch import save
-
-        tensors = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
-        return write_atomic(path, save(tensors, metadata=self.checkpoint_metadata()))
-
-    def load(self, path: str | os.PathLike[str], expected_sha256: str | None = None) -> None:
-        """Load weights from ``path``, verifying its sha256 first when one is given."""
-        tensors, metadata = read_checkpoint(path, expected_sha256)
+    def load_checkpoint(self, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str],
+                        address: str) -> None:
+        """Load tensors read from the checkpoint at ``address`` once its header fits this
+        policy; any misfit is a :class:`CheckpointMismatch` naming the file."""
+        self.check_checkpoint(metadata, address)
         try:
             self.load_state_dict(tensors)
         except (RuntimeError, KeyError, ValueError) as exc:
-            raise CheckpointMismatch(f"checkpoint {path} does not fit this policy: {exc}") from exc
-        self.version = int(metadata.get("version", self.version))
+            raise CheckpointMismatch(f"checkpoint {address} does not fit this policy: {exc}"
+                                     ) from exc
 
-
-def write_atomic(path: str | os.PathLike[str], data: bytes) -> str:
-    """Write ``data`` to ``path`` so readers see all of it or none; return its sha256."""
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    dir_fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-    return hashlib.sha256(data).hexdigest()
-
-
-def read_checkpoint(path: str | os.PathLike[str], expected_sha256: str | None = None
-                    ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Tensors and header metadata of a safetensors checkpoint, hash-checked."""
-    from safetensors.torch import load
-
-    with open(path, "rb") as f:
-        data = f.read()
-    actual = hashlib.sha256(data).hexdigest()
-    if expected_sha256 is not None and actual != expected_sha256.lower():
-        raise CheckpointMismatch(
-            f"checkpoint {path} has sha256 {actual} but {expected_sha256} was expected: the "
-            "file is corrupt, partly written, or not the published version; refusing to load")
-    try:
-        (header_len,) = struct.unpack("<Q", data[:8])
-        header: dict[str, Any] = json.loads(data[8:8 + header_len])
-        tensors = load(data)
-    except Exception as exc:  # noqa: BLE001 - any parse failure means "not a checkpoint"
-        raise CheckpointMismatch(f"checkpoint {path} is not a readable safetensors file: "
-                                 f"{type(exc).__name__}: {exc}") from exc
-    return tensors, dict(header.get("__metadata__") or {})
+    def check_checkpoint(self, metadata: Mapping[str, str], address: str) -> None:
+        """Raise :class:`CheckpointMismatch` unless a checkpoint whose header holds
+        ``metadata`` was saved by a policy of this kind. Here: the ``format`` must match
+        where both record one; backends with a model config compare it too."""
+        mine, theirs = self.checkpoint_metadata().get("format"), metadata.get("format")
+        if mine is not None and theirs is not None and mine != theirs:
+            raise CheckpointMismatch(f"checkpoint {address} holds a {theirs} policy, this "
+                                     f"policy is a {mine}: point it at a checkpoint of the "
+                                     "same policy.backend")

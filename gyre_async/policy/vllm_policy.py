@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from gyre_async.policy.base import Action, CheckpointMismatch, EvalOutput, Policy, SamplingParams, read_checkpoint
+from gyre_async.policy.base import Action, CheckpointMismatch, EvalOutput, Policy, SamplingParams
 from gyre_async.policy.hf_policy import VALUE_HEAD
 from gyre_async.policy.tokenizer import BaseTokenizer
 
@@ -142,12 +142,6 @@ class VLLMPolicy(Policy):
         return actions
 
     # -- weights ------------------------------------------------------------------------------
-    def load(self, path: str | os.PathLike[str], expected_sha256: str | None = None) -> None:
-        """Load a Gyre checkpoint file (sha256 checked first) into the engine in place."""
-        tensors, metadata = read_checkpoint(path, expected_sha256)
-        self.load_state_dict(tensors)
-        self.version = int(metadata.get("version", self.version))
-
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Reload the engine's weights from Gyre policy tensors (the value head is dropped)."""
         from safetensors.torch import save_file
@@ -197,7 +191,4 @@ class VLLMPolicy(Policy):
         return self._learner_only()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return self._learner_only()
-
-    def save(self, path: str | os.PathLike[str]) -> str:
         return self._learner_only()

@@ -42,6 +42,7 @@ from torch import nn
 
 from schemas.events import SegmentClosed
 
+from gyre_async.storage.atomic import atomic_write_bytes
 from gyre_async.storage.jsonl import RowError, read_jsonl
 
 FORMAT = "gyre-prm"
@@ -153,14 +154,13 @@ def train_prm(examples: Iterable[LabelledSegment], *, epochs: int = 200, lr: flo
 
 
 def save_prm(model: ProcessRewardModel, path: str) -> None:
-    from safetensors.torch import save_file
+    """Write the model atomically: an arbiter loading it never sees half a file."""
+    from safetensors.torch import save
 
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp"
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, tmp, metadata={
-        "format": FORMAT, "version": VERSION, "buckets": str(model.buckets),
-        "dim": str(model.dim), "hidden": str(model.hidden_size)})
-    os.replace(tmp, path)  # a reader never sees a half-written file
+    atomic_write_bytes(path, save({k: v.contiguous() for k, v in model.state_dict().items()},
+                                  metadata={"format": FORMAT, "version": VERSION,
+                                            "buckets": str(model.buckets), "dim": str(model.dim),
+                                            "hidden": str(model.hidden_size)}))
 
 
 def load_prm(path: str) -> ProcessRewardModel:

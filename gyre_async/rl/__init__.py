@@ -1,4 +1,5 @@
-"""RL math for the learner: pure functions over tensors, each with a slow reference twin."""
+"""RL math for the learner: pure functions over tensors, each checked by the tests against a
+slow reference (advantages and fusion: ``tests/reference_advantages.py``)."""
 
 from gyre_async.rl.advantages import (
     fuse_advantages,

@@ -7,8 +7,9 @@ segment); a segment in which the trajectory ended is not bootstrapped. When the
 trajectory's final outcome is known, a GRPO-style outcome advantage (normalised within the
 group of trajectories on the same task) is fused in, per segment.
 
-Every fast function has a ``slow_*`` twin written as plain Python loops; the tests check
-that they agree. All fast functions take and return torch tensors and never mutate inputs.
+Every function here has a slow reference written as plain Python loops in
+``tests/reference_advantages.py``; the tests check that they agree. All functions take and
+return torch tensors and never mutate inputs.
 """
 
 from __future__ import annotations
@@ -77,38 +78,6 @@ def segment_gae(
     return advantages, (advantages + v) * fm
 
 
-def slow_segment_gae(
-    rewards: Sequence[Sequence[float]],
-    values: Sequence[Sequence[float]],
-    mask: Sequence[Sequence[float]],
-    bootstrap_values: Sequence[float],
-    terminal: Sequence[bool],
-    gamma: float,
-    lam: float,
-) -> tuple[list[list[float]], list[list[float]]]:
-    """Reference for :func:`segment_gae`: one segment at a time, textbook GAE in floats."""
-    all_adv, all_ret = [], []
-    for b in range(len(rewards)):
-        length = sum(1 for x in mask[b] if x)
-        horizon = len(rewards[b])
-        adv = [0.0] * horizon
-        ret = [0.0] * horizon
-        last_gae = 0.0
-        for t in reversed(range(length)):
-            if t == length - 1:
-                next_value = 0.0 if terminal[b] else float(bootstrap_values[b])
-                last_gae = 0.0
-            else:
-                next_value = float(values[b][t + 1])
-            delta = float(rewards[b][t]) + gamma * next_value - float(values[b][t])
-            last_gae = delta + gamma * lam * last_gae
-            adv[t] = last_gae
-            ret[t] = last_gae + float(values[b][t])
-        all_adv.append(adv)
-        all_ret.append(ret)
-    return all_adv, all_ret
-
-
 def _group_index(group_ids: torch.Tensor | Sequence[Hashable]) -> torch.Tensor:
     """Dense int64 group index 0..G-1 from a tensor of ids or any sequence of hashables."""
     if isinstance(group_ids, torch.Tensor):
@@ -153,25 +122,6 @@ def group_outcome_advantage(
     return torch.where(informative[idx], adv, torch.zeros_like(adv))
 
 
-def slow_group_outcome_advantage(
-    outcomes: Sequence[float], group_ids: Sequence[Hashable], eps: float = 1e-6
-) -> list[float]:
-    """Reference for :func:`group_outcome_advantage`, one group at a time."""
-    members: dict[Hashable, list[int]] = {}
-    for i, g in enumerate(group_ids):
-        members.setdefault(g, []).append(i)
-    adv = [0.0] * len(outcomes)
-    for idx in members.values():
-        xs = [float(outcomes[i]) for i in idx]
-        if len(xs) < 2 or max(xs) == min(xs):
-            continue
-        mean = sum(xs) / len(xs)
-        std = (sum((x - mean) ** 2 for x in xs) / (len(xs) - 1)) ** 0.5
-        for i in idx:
-            adv[i] = (float(outcomes[i]) - mean) / (std + eps)
-    return adv
-
-
 def fusion_weight(
     local: torch.Tensor,
     global_adv: torch.Tensor,
@@ -198,24 +148,6 @@ def fusion_weight(
     return w.clamp(0.0, w_max)
 
 
-def slow_fusion_weight(
-    local: Sequence[Sequence[float]],
-    global_adv: Sequence[float],
-    mask: Sequence[Sequence[float]],
-    w_max: float = 0.5,
-    eps: float = 1e-8,
-) -> list[float]:
-    """Reference for :func:`fusion_weight`."""
-    out = []
-    for b in range(len(local)):
-        real = [float(local[b][t]) for t in range(len(local[b])) if mask[b][t]]
-        mean_local = sum(real) / len(real) if real else 0.0
-        g = float(global_adv[b])
-        g = 0.0 if g != g else abs(g)
-        out.append(min(max(w_max * g / (g + abs(mean_local) + eps), 0.0), w_max))
-    return out
-
-
 def fuse_advantages(
     local: torch.Tensor,
     global_adv: torch.Tensor,
@@ -233,23 +165,3 @@ def fuse_advantages(
     g = torch.nan_to_num(global_adv.to(local.dtype), nan=0.0).unsqueeze(1)
     fused = (1.0 - w) * local + w * g
     return fused if mask is None else fused * mask.to(local.dtype)
-
-
-def slow_fuse_advantages(
-    local: Sequence[Sequence[float]],
-    global_adv: Sequence[float],
-    weight: Sequence[float],
-    mask: Sequence[Sequence[float]] | None = None,
-) -> list[list[float]]:
-    """Reference for :func:`fuse_advantages`."""
-    out = []
-    for b in range(len(local)):
-        g = float(global_adv[b])
-        g = 0.0 if g != g else g
-        w = float(weight[b])
-        row = []
-        for t in range(len(local[b])):
-            real = True if mask is None else bool(mask[b][t])
-            row.append((1.0 - w) * float(local[b][t]) + w * g if real else 0.0)
-        out.append(row)
-    return out

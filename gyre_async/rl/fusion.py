@@ -87,37 +87,6 @@ def fuse_segments(
     return fuse_advantages(scaled, g, w, mask), w
 
 
-def slow_fuse_segments(
-    local: Sequence[Sequence[float]],
-    mask: Sequence[Sequence[float]],
-    global_adv: Sequence[float],
-    mode: CreditMode = "fusion",
-    w_max: float = 0.8,
-    eps: float = 1e-8,
-) -> tuple[list[list[float]], list[float]]:
-    """Reference for :func:`fuse_segments`, written out step by step."""
-    real = [(i, t) for i in range(len(local)) for t in range(len(local[i])) if mask[i][t]]
-    scale = math.sqrt(sum(float(local[i][t]) ** 2 for i, t in real) / max(len(real), 1))
-    out, weights = [], []
-    for i, row in enumerate(local):
-        g = float(global_adv[i])
-        known = g == g
-        steps = [t for t in range(len(row)) if mask[i][t]]
-        if mode == "gae":
-            w, values = 0.0, {t: float(row[t]) for t in steps}
-        elif mode == "outcome":
-            w, values = (1.0 if known else 0.0), {t: (g if known else 0.0) for t in steps}
-        else:
-            unit = {t: float(row[t]) / (scale + eps) for t in steps}
-            m = sum(unit.values()) / len(steps) if steps else 0.0
-            w = w_max * abs(g) / (abs(g) + abs(m) + eps) if known else 0.0
-            w = min(max(w, 0.0), w_max)
-            values = {t: (1.0 - w) * unit[t] + w * (g if known else 0.0) for t in steps}
-        out.append([values.get(t, 0.0) for t in range(len(row))])
-        weights.append(w)
-    return out, weights
-
-
 @dataclass
 class OutcomeBook:
     """Trajectory outcomes and their GRPO groups, as the learner has seen them.

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 import structlog
 
 from gyre_async.runtime.topology import CORE_ROLES, ROLES
+from gyre_async.storage.atomic import atomic_write_text
 
 log = structlog.get_logger(__name__)
 
@@ -280,10 +281,7 @@ class Launcher:
                                "restarting": r.restart_at is not None,
                                "last_exit": r.last_exit} for r in self.roles},
         }
-        tmp = f"{self.status_file}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(status, f, indent=1)
-        os.replace(tmp, self.status_file)
+        atomic_write_text(self.status_file, json.dumps(status, indent=1))
 
 
 def read_status(path: str | os.PathLike) -> dict:

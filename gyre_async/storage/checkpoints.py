@@ -11,8 +11,10 @@ same checkpoint must give the same bytes and sha256. They load with the library 
 The name carries the version and the file's full sha256, so a file is never overwritten
 with different bytes: saving the same tensors again finds the same file (idempotent), and a
 re-trained version after a crash gets a new name instead of clobbering one that may already
-have been published. Local saves are atomic: write a temporary file in the same folder,
-fsync it, rename it into place, fsync the folder. The address is returned only after that;
+have been published. Local saves go through :func:`~gyre_async.storage.atomic.atomic_writer`
+(temporary file in the same folder, fsync, rename, fsync of the folder); the sha256 that
+names the file is computed by serialising once into a hash before the file is written, so
+an existing file is found without writing anything. The address is returned only after that;
 the caller publishes it (``policy-version``) and readers load by address + expected hash.
 Safetensors only: loading a checkpoint can never run code.
 """
@@ -22,12 +24,10 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import os
 import re
-import uuid
 from collections.abc import Mapping
 from pathlib import Path
-from typing import IO, Any
+from typing import Any, Protocol
 
 import msgspec
 import torch
@@ -35,8 +35,9 @@ from safetensors import safe_open
 from safetensors.torch import load as st_load
 
 from gyre_async.faultpoints import pause_point
+from gyre_async.storage.atomic import atomic_writer
 from gyre_async.storage.errors import CheckpointCorrupt, CheckpointError, as_storage_full
-from gyre_async.storage.urls import fsync_dir, fsync_paths, normalize_store_url
+from gyre_async.storage.urls import fsync_dir, normalize_store_url
 
 __all__ = ["CheckpointCorrupt", "CheckpointError", "CheckpointRef", "CheckpointStore"]
 
@@ -69,7 +70,25 @@ def _sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def _write_safetensors(f: IO[bytes], tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
+class _Writable(Protocol):
+    def write(self, data: bytes | memoryview, /) -> int: ...
+
+
+class _Sha256Sink:
+    """A write-only file that only hashes what is written to it."""
+
+    def __init__(self) -> None:
+        self._hash = hashlib.sha256()
+
+    def write(self, data: bytes | memoryview) -> int:
+        self._hash.update(data)
+        return len(data)
+
+    def hexdigest(self) -> str:
+        return self._hash.hexdigest()
+
+
+def _write_safetensors(f: _Writable, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
     """The safetensors format: u64 little-endian header size, JSON header (padded with
     spaces to 8 bytes), then the tensors' little-endian bytes back to back."""
     header: dict[str, Any] = {"__metadata__": meta}
@@ -138,21 +157,18 @@ class CheckpointStore:
             name = f"v{version:012d}-{sha}.safetensors"
             self._fs.pipe_file(f"{self._remote_root}/{name}", data)
             return CheckpointRef(f"{self.url}/{name}", sha, version)
-        tmp = self._root / f".tmp-{uuid.uuid4().hex}.safetensors"
+        digest = _Sha256Sink()  # the name holds the sha256: serialise once to learn it
+        _write_safetensors(digest, flat, meta)
+        sha = digest.hexdigest()
+        final = self._root / f"v{version:012d}-{sha}.safetensors"
+        if final.exists():  # same name, same sha256: the same bytes are already there
+            return CheckpointRef(f"{self.url}/{final.name}", sha, version)
         try:
-            with open(tmp, "wb") as f:
+            with atomic_writer(final, "wb") as f:
                 _write_safetensors(f, flat, meta)
-            sha = _sha256_file(tmp)
-            fsync_paths([tmp], self._root)
-            pause_point("checkpoint-save")  # temp file durable, not renamed (ops/chaos.py)
-            final = self._root / f"v{version:012d}-{sha}.safetensors"
-            if final.exists():  # same name, same sha256: the same bytes are already there
-                tmp.unlink()
-            else:
-                os.replace(tmp, final)
-                fsync_paths([final], self._root)
+                f.flush()
+                pause_point("checkpoint-save")  # temp file written, not renamed (ops/chaos.py)
         except BaseException as exc:
-            tmp.unlink(missing_ok=True)
             full = as_storage_full(exc, f"checkpoint v{version} to {self._root}",
                                    "learner.checkpoints")
             if full is not None:

@@ -350,11 +350,9 @@ def write_report(d: ReportData, out: str) -> str:
                 f.write(result)
         elif os.path.exists(path):  # a stale figure from an earlier report
             os.remove(path)
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    tmp = f"{out}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(render_html(d, figures))
-    os.replace(tmp, out)
+    from gyre_async.storage.atomic import atomic_write_text
+
+    atomic_write_text(out, render_html(d, figures))
     return out
 
 

@@ -1,8 +1,9 @@
-"""Segment store throughput: ``python -m gyre_async.storage.bench_segments [--n 10000]``.
+"""Segment store throughput: ``python ops/bench/segments.py [--n 10000]``.
 
 Writes and reads ``n`` segments of 32 steps with a 64-token context (the shape the
-segmenter produces), batched as a group-committing writer would and one at a time, and
-reports segments per second, bytes on disk and file count as JSON.
+segmenter produces), in batches through ``SegmentStore.write_many`` / ``read_many`` (as the
+segmenter writes one batch per input batch) and one at a time, and prints segments per
+second, bytes on disk and file count as one JSON line.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="gyre-bench-") as root:
         result = run_benchmark(root, args.n, args.batch, args.singles, not args.no_fsync)
-    print(json.dumps(result, indent=2))
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

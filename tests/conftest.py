@@ -63,3 +63,47 @@ def group_bus_url(request, tmp_path):
     if request.param == "embedded":
         return f"sqlite:///{tmp_path}/events.db"
     return f"kafka://{request.getfixturevalue('tansu')}"
+
+
+TINY_TOML = ROOT / "ops" / "configs" / "tiny.toml"
+
+
+class TinyConfig:
+    """The tiny test config (``ops/configs/tiny.toml``) with per-test overrides.
+
+    One builder for every test that runs the loop small: overrides are given per section
+    (``tiny.config(run={"run_id": "x"}, learner={"max_versions": 16})``); the run directory
+    defaults to the test's own temporary folder. ``config`` gives the validated
+    :class:`schemas.config.Config`, ``write`` the same thing as a TOML file (for commands
+    that take a path), so no test patches the file's text by hand.
+    """
+
+    def __init__(self, tmp_path: Path):
+        self.tmp_path = tmp_path
+
+    def sections(self, **overrides: dict) -> dict:
+        import tomllib
+
+        data = tomllib.loads(TINY_TOML.read_text())
+        data["run"]["run_dir"] = str(self.tmp_path / "run")
+        for section, values in overrides.items():
+            data.setdefault(section, {}).update(values)
+        return data
+
+    def write(self, path: Path | None = None, **overrides: dict) -> Path:
+        import tomli_w
+
+        path = path or self.tmp_path / "tiny.toml"
+        path.write_text(tomli_w.dumps(self.sections(**overrides)))
+        return path
+
+    def config(self, **overrides: dict):
+        from gyre_async.config import load_config
+
+        return load_config(self.write(**overrides))
+
+
+@pytest.fixture
+def tiny(tmp_path) -> TinyConfig:
+    """Builds the tiny test config with overrides (see :class:`TinyConfig`)."""
+    return TinyConfig(tmp_path)

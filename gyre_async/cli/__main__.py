@@ -1,3 +1,3 @@
 from gyre_async.cli.main import main
 
-main()
+raise SystemExit(main())

@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 
 import msgspec
+from test_loop_e2e import TINY
 
 from gyre_async.bus import open_bus
 from gyre_async.bus.reading import read_topics
@@ -17,8 +18,6 @@ from gyre_async.runtime.loop import run_loop
 from schemas import decode
 from schemas.events import EnvError, SegmentClosed, TrajectoryStep
 from schemas.topics import SEGMENT_CLOSED, TRAJECTORY_STEP
-
-from test_loop_e2e import TINY
 
 
 class FaultyWorkshop(Env):

@@ -132,14 +132,17 @@ class SamplerCore:
         cfg = self.cfg
         env = with_macros(make_env(cfg.task.env, **cfg.task.env_config), cfg.macros)
         rounds = 0
+
+        def learner_reached_round() -> bool:
+            return self.learner_version >= rounds
+
         try:
             while not shared.stopping.is_set():
                 if cfg.sampler.max_episodes and self.episodes >= cfg.sampler.max_episodes:
                     return
                 if cfg.run.mode == "sync":  # one episode per slot per version
                     async with self._version_seen:
-                        await self._version_seen.wait_for(
-                            lambda wanted=rounds: self.learner_version >= wanted)
+                        await self._version_seen.wait_for(learner_reached_round)
                     rounds = self.learner_version + 1
                 await self._episode(env, shared)
         finally:

@@ -8,7 +8,7 @@ Shared by the sampler (training episodes, published step by step) and the evalua
   environment) keeps moving while the policy computes.
 - :func:`run_episode` drives one episode: bounded context (milestone summary + recent turns
   + current observation), guarded env calls (a hung or failing env ends only its own
-  episode, as truncated, reported through ``on_failure``), one callback per step.
+  episode, as truncated, reported in the summary's ``failure``), one callback per step.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ from test_loop_e2e import TINY
 from actors.echo import EchoActor
 from actors.learner import Learner
 from gyre_async.core.learner import LearnerCore
-from actors.segmenter import ClosedSegment, segment_arrays
+from gyre_async.core.segmenter import ClosedSegment, segment_arrays
 from gyre_async.runtime.actor import ActorRunner
 from gyre_async.bus import open_bus
 from gyre_async.bus.reading import read_topics

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from actors.learner import Learner
-from actors.segmenter import ClosedSegment, segment_arrays
+from gyre_async.core.segmenter import ClosedSegment, segment_arrays
 from gyre_async.runtime.actor import ActorRunner
 from gyre_async.bus import open_bus
 from gyre_async.bus.reading import read_topics

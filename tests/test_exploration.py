@@ -15,19 +15,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from actors.sampler import Sampler
-from gyre_async.runtime.actor import ActorRunner
 from gyre_async.bus import open_bus
-from gyre_async.bus.reading import read_topics
+from gyre_async.bus.reading import read_events
 from gyre_async.config import load_config
+from gyre_async.core.exploration import PerturbedPolicyHolder, sampling_params_at
 from gyre_async.policy.base import SamplingParams
 from gyre_async.policy.factory import build_policy, build_tokenizer, save_weights
 from gyre_async.policy.torch_policy import _behaviour_logp
-from gyre_async.rl.exploration import (
-    AdaptiveParamNoise,
-    PerturbedPolicyHolder,
-    anneal,
-    sampling_params_at,
-)
+from gyre_async.rl.exploration import AdaptiveParamNoise, anneal
 from gyre_async.rl.policy_distance import (
     mean_kl,
     mean_kl_reference,
@@ -35,8 +30,9 @@ from gyre_async.rl.policy_distance import (
     relative_param_change,
     relative_param_change_reference,
 )
+from gyre_async.runtime.actor import ActorRunner
 from gyre_async.storage.checkpoints import CheckpointStore
-from schemas import decode, encode, event_id
+from schemas import encode, event_id
 from schemas.events import PolicyVersion, TrajectoryStep
 from schemas.topics import ALL_TOPICS, POLICY_VERSION, TRAJECTORY_STEP
 
@@ -211,8 +207,8 @@ def test_sampler_records_logprobs_of_the_annealed_distribution(tmp_path):
             async def steps_of(version: int) -> list[TrajectoryStep]:
                 deadline = time.monotonic() + 60
                 while time.monotonic() < deadline:
-                    steps = [decode(TRAJECTORY_STEP, r.value, 1 << 40)
-                             for r in await read_topics(bus, [TRAJECTORY_STEP])]
+                    steps = [s async for _, s in read_events(bus, [TRAJECTORY_STEP],
+                                                             on_bad="raise")]
                     mine = [s for s in steps if isinstance(s, TrajectoryStep)
                             and s.policy_version == version]
                     if len(mine) >= 40:

@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 
 import msgspec
+from test_loop_e2e import TINY
 
 from gyre_async.bus import open_bus
 from gyre_async.bus.reading import read_topics
@@ -17,8 +18,6 @@ from gyre_async.runtime.loop import run_loop
 from schemas import decode
 from schemas.events import EnvError, SegmentClosed, TrajectoryStep
 from schemas.topics import SEGMENT_CLOSED, TRAJECTORY_STEP
-
-from test_loop_e2e import TINY
 
 
 class FaultyWorkshop(Env):
@@ -121,3 +120,56 @@ def test_restarted_sampler_ends_trajectories_its_predecessor_left_open(tmp_path)
     errors = [e for e in asyncio.run(go()) if isinstance(e, EnvError)]
     assert [(e.trajectory_id, e.step_index) for e in errors] == [("sampler-old-0", 2)]
     assert "abandoned" in errors[0].message
+
+
+def test_a_sampler_stopped_at_the_staleness_gate_leaves_no_exception_unretrieved(tmp_path):
+    """Stopping a sampler whose slots all wait at the staleness gate cancels them; every task
+    (and gather) it started must be awaited to its end, or asyncio reports "exception was
+    never retrieved" with a CancelledError traceback (once at the end of every ``gyre run``)."""
+    import gc
+
+    from actors.sampler import Sampler
+    from gyre_async.policy.factory import build_policy, build_tokenizer, save_weights
+    from gyre_async.runtime.actor import ActorRunner
+    from gyre_async.storage.checkpoints import CheckpointStore
+    from schemas import encode, event_id
+    from schemas.events import PolicyVersion
+    from schemas.topics import ALL_TOPICS, POLICY_VERSION
+
+    cfg = load_config(TINY)
+    cfg = msgspec.structs.replace(cfg, run=msgspec.structs.replace(cfg.run,
+                                                                   run_dir=str(tmp_path)))
+    ref = save_weights(CheckpointStore(str(tmp_path / "checkpoints")),
+                       build_policy(cfg, build_tokenizer(cfg)), 0)
+    v0 = PolicyVersion(event_id=event_id("pv", 0), run_id="tiny", producer="test",
+                       key="policy", version=0, checkpoint=ref.address,
+                       checkpoint_hash=ref.sha256, reason="init")
+
+    async def go() -> tuple[list[str], bool]:
+        reported: list[str] = []
+        asyncio.get_running_loop().set_exception_handler(
+            lambda _, context: reported.append(str(context.get("message"))))
+        async with open_bus(f"sqlite:///{tmp_path}/events.db") as bus:
+            await bus.create_topics(ALL_TOPICS, 1)
+            await bus.publish(POLICY_VERSION, [(v0.key.encode(), encode(v0))])
+            sampler = Sampler(cfg)
+            runner = ActorRunner(sampler, bus, run_id="tiny", name="sampler", partitions=1,
+                                 heartbeat_s=30, stop_grace_s=0.2)
+            task = asyncio.create_task(runner.run())
+            core = sampler.core
+            full = core.gate.capacity(0)  # no learner progress: the gate closes here
+            for _ in range(600):
+                if core.steps_emitted >= full or task.done():
+                    break
+                await asyncio.sleep(0.1)
+            gate_closed = core.steps_emitted >= full
+            await asyncio.sleep(0.3)  # every slot reaches the gate
+            runner.stop()
+            await task
+            gc.collect()
+            await asyncio.sleep(0)
+        return reported, gate_closed
+
+    reported, gate_closed = asyncio.run(go())
+    assert gate_closed, "the sampler never filled the staleness gate"
+    assert reported == []

@@ -15,7 +15,7 @@ import msgspec
 import pytest
 import textworld_express  # noqa: F401 - the test extra installs the simulator
 
-from actors.evaluator import evaluate
+from gyre_async.core.evaluation import evaluate
 from gyre_async.config import load_config
 from gyre_async.offline.demonstrations import (
     gold_demonstrations, read_demonstrations, training_pairs, write_demonstrations,
@@ -167,11 +167,10 @@ async def test_warm_start_beats_the_initial_policy_on_held_out_seeds(tmp_path):
 
 async def _events(url: str, topic: str):
     from gyre_async.bus import open_bus
-    from gyre_async.bus.reading import read_topics
-    from schemas import decode
+    from gyre_async.bus.reading import read_events
 
     async with open_bus(url) as bus:
-        return [decode(topic, r.value, 1 << 40) for r in await read_topics(bus, [topic])]
+        return [event async for _, event in read_events(bus, [topic], on_bad="raise")]
 
 
 async def test_gyre_run_starts_from_the_warm_start_then_exports_and_evaluates_on_request(

@@ -1,5 +1,3 @@
-import sys
-
 from gyre_async.cli.main import main
 
-sys.exit(main())
+raise SystemExit(main())

@@ -8,7 +8,7 @@ Shared by the sampler (training episodes, published step by step) and the evalua
   environment) keeps moving while the policy computes.
 - :func:`run_episode` drives one episode: bounded context (milestone summary + recent turns
   + current observation), guarded env calls (a hung or failing env ends only its own
-  episode, as truncated, reported through ``on_failure``), one callback per step.
+  episode, as truncated, reported in the summary's ``failure``), one callback per step.
 """
 
 from __future__ import annotations
@@ -174,7 +174,11 @@ async def run_episode(
     observation = first
     history: deque[tuple[str, str]] = deque(maxlen=max(builder.history_turns, 1))
     reached: list[str] = []
-    context = builder.build(observation, list(history)[-builder.history_turns:] if builder.history_turns else [], milestone_summary(reached))
+
+    def recent_turns() -> list[tuple[str, str]]:
+        return list(history)[-builder.history_turns:] if builder.history_turns else []
+
+    context = builder.build(observation, recent_turns(), milestone_summary(reached))
     for step_index in range(env.max_steps + 1):
         if before_step is not None:
             await before_step()
@@ -192,15 +196,14 @@ async def run_episode(
         observation = result.observation
         next_context = None
         if not result.done:
-            turns = list(history)[-builder.history_turns:] if builder.history_turns else []
-            next_context = builder.build(observation, turns, milestone_summary(reached))
+            next_context = builder.build(observation, recent_turns(), milestone_summary(reached))
         if on_step is not None:
             await on_step(StepRecord(step_index, context, acted, result, next_context, latency))
         summary.steps = step_index + 1
         summary.score = result.score
-        if result.over:
+        if result.over or next_context is None:  # done is over: no context follows it
             summary.success = result.success
             break
-        context = next_context  # type: ignore[assignment]
+        context = next_context
     summary.milestones = tuple(reached)
     return summary

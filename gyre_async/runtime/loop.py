@@ -19,13 +19,14 @@ import time
 import msgspec
 import structlog
 
-from schemas import decode
+from schemas import decode, encode
 from schemas.config import Config
 from schemas.events import EvalResult, Heartbeat, PolicyVersion, SegmentClosed
 from schemas.topics import ALL_TOPICS, EVAL, POLICY_VERSION, SEGMENT_CLOSED, TELEMETRY
 
 from gyre_async.runtime.actor import ActorRunner
-from gyre_async.bus.reading import iter_topics
+from gyre_async.bus.reading import read_events
+from gyre_async.core.evaluation import Evaluation, eval_trigger
 from gyre_async.audit.runlog import current_policy_version, load_runlog, plot_learning_curve, summarize, write_metrics
 from gyre_async.audit.runlog import metrics_rows
 from gyre_async.runtime.process import install_stop_signals, open_run_bus
@@ -100,6 +101,8 @@ class Progress:
         if self._live is not None:
             self._live.update(self.line())
             self._live.stop()
+            if not self._live.console.is_terminal:
+                self._live.console.line()  # rich ends the line only on a terminal
 
 
 async def _watch(bus, progress: Progress, stop: asyncio.Event, cfg: Config) -> None:
@@ -134,19 +137,16 @@ async def _final_evaluation(cfg: Config, bus, progress: Progress) -> None:
     A run cut by ``max_wall_s`` or ``max_env_steps`` still ends with a validation figure
     for the policy it actually produced, published like any other ``eval`` event.
     """
-    from actors.evaluator import Evaluator
-
     latest = await current_policy_version(bus)
-    evaluated = set()
-    async for record in iter_topics(bus, [EVAL]):
-        evaluated.add(decode(EVAL, record.value, 1 << 40).policy_version)
+    evaluated = {event.policy_version async for _, event in read_events(bus, [EVAL])
+                 if isinstance(event, EvalResult)}
     if latest is None or latest.version in evaluated:
         return
-    evaluator = Evaluator(cfg)
-    runner = ActorRunner(evaluator, bus, run_id=cfg.run.run_id, name="evaluator")
     final = msgspec.structs.replace(latest, metrics={**latest.metrics, "final": 1.0})
-    outputs = await evaluator.handle(final, None)
-    await runner.emit(outputs)
+    result = await Evaluation.from_config(cfg).run(
+        final, greedy=cfg.evaluator.greedy, trigger=eval_trigger(cfg, final),
+        cause=final.event_id, producer="evaluator")
+    await bus.publish_and_commit([(EVAL, [(result.key.encode(), encode(result))])])
 
 
 async def run_loop(cfg: Config, *, bus_override: str | None = None, progress: bool = True,

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import msgspec
 
-from actors.evaluator import evaluate
+from gyre_async.core.evaluation import evaluate
 from gyre_async.runtime.loop import run_loop
 from gyre_async.policy.context import ContextBuilder
 from gyre_async.policy.factory import build_policy, build_tokenizer

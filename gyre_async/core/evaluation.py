@@ -1,0 +1,129 @@
+"""Validation: a fixed set of unseen tasks, played greedily (or sampled) by one policy.
+
+The validation set is explicit in config: ``evaluator.tasks`` (task ids handed to the
+environment's reset; default ``<env>:<seed>``) x ``evaluator.seeds`` (game / variation
+indices; default ``episodes`` seeds from ``task.eval_seed_start``), played with
+``task.env_config`` overridden by ``evaluator.env_config`` (e.g. ``split = "dev"`` for the
+text games, whose splits are disjoint from training). It never changes during a run, so
+every evaluation is comparable. Environment latency is kept as configured, so validation
+measures the task the sampler sees.
+
+Which versions (:func:`eval_trigger`): every ``evaluator.every_versions`` versions (version
+0 always), the one the learner marks final, every rollback version, and any version
+published for a reason in ``evaluator.on_reasons`` (warm-start). Nothing here touches the
+bus: the evaluator actor and ``gyre run``'s closing evaluation publish what
+:meth:`Evaluation.run` returns. Episodes run concurrently (asyncio) so that one batched
+policy serves them all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+from gyre_async.core.rollout import ActionBatcher, PolicyHolder, run_episode
+from gyre_async.envs import make_env
+from gyre_async.envs.macros import with_macros
+from gyre_async.policy.base import SamplingParams
+from gyre_async.policy.context import ContextBuilder
+from gyre_async.policy.factory import build_policy, build_tokenizer
+from schemas import event_id
+from schemas.config import Config
+from schemas.events import EvalResult, PolicyVersion
+
+
+def validation_set(cfg: Config, episodes: int | None = None) -> list[tuple[str, int]]:
+    """(task id, seed) of every validation episode, in order (fixed by config)."""
+    evaluator = cfg.evaluator
+    start = cfg.task.eval_seed_start
+    seeds = list(evaluator.seeds) or list(range(start, start + (episodes or evaluator.episodes)))
+    if evaluator.tasks:
+        return [(task, seed) for task, seed in itertools.product(evaluator.tasks, seeds)]
+    return [(f"{cfg.task.env}:{seed}", seed) for seed in seeds]
+
+
+async def evaluate(cfg: Config, holder: PolicyHolder, builder: ContextBuilder,
+                   episodes: int | None, greedy: bool) -> dict:
+    """Run the validation episodes concurrently with one batched policy; summarise them."""
+    params = SamplingParams(temperature=1.0, max_action_tokens=cfg.policy.max_action_tokens,
+                            greedy=greedy)
+    plan = validation_set(cfg, episodes)
+    env_config = {**cfg.task.env_config, **cfg.evaluator.env_config}
+    batcher = ActionBatcher(holder, params, wait_s=cfg.sampler.batch_wait_s, seed=cfg.run.seed)
+    batcher.active = len(plan)
+
+    async def one(task_id: str, seed: int):
+        env = with_macros(make_env(cfg.task.env, **env_config), cfg.macros)
+        try:
+            return await run_episode(env, task_id, seed, batcher.act, builder,
+                                     step_timeout_s=cfg.sampler.step_timeout_s)
+        finally:
+            batcher.active -= 1
+            await env.close()
+
+    try:
+        results = await asyncio.gather(*(one(t, s) for t, s in plan))
+    finally:
+        batcher.close()
+    milestone_counts: dict[str, int] = {}
+    for r in results:
+        for name in {m.split("#")[0] for m in r.milestones}:
+            milestone_counts[name] = milestone_counts.get(name, 0) + 1
+    per_task: dict[str, list[bool]] = {}
+    for (task_id, _), r in zip(plan, results):
+        per_task.setdefault(task_id, []).append(r.success)
+    n = max(len(results), 1)
+    return {
+        "episodes": len(results),
+        "success_rate": sum(r.success for r in results) / n,
+        "mean_score": sum(r.score for r in results) / n,
+        "mean_length": sum(r.steps for r in results) / n,
+        "milestone_rates": {k: v / n for k, v in sorted(milestone_counts.items())},
+        "env_steps": sum(r.steps for r in results),
+        "decoding": "greedy" if greedy else "sampled",
+        "task_success_rates": ({t: sum(v) / len(v) for t, v in per_task.items()}
+                               if cfg.evaluator.tasks else {}),
+        "validation_seeds": sorted({s for _, s in plan}),
+        "validation_config": {k: str(v) for k, v in cfg.evaluator.env_config.items()},
+    }
+
+
+def eval_trigger(cfg: Config, version: PolicyVersion) -> str:
+    """Why this version is evaluated ("" when it is not)."""
+    if version.metrics.get("final", 0.0) > 0:
+        return "final"
+    if version.reason == "rollback" or version.reason in cfg.evaluator.on_reasons:
+        return f"reason:{version.reason}"  # a rollback's recovery is always measured
+    if version.version % max(cfg.evaluator.every_versions, 1) == 0:
+        return "schedule"
+    return ""
+
+
+class Evaluation:
+    """One policy, loaded version by version, played on the validation set."""
+
+    def __init__(self, cfg: Config, holder: PolicyHolder, builder: ContextBuilder):
+        self.cfg = cfg
+        self.holder = holder
+        self.builder = builder
+        self.evaluated = 0
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> Evaluation:
+        tokenizer = build_tokenizer(cfg)
+        return cls(cfg, PolicyHolder(build_policy(cfg, tokenizer)),
+                   ContextBuilder(tokenizer, cfg.policy.context_tokens, cfg.policy.history_turns))
+
+    async def run(self, version: PolicyVersion, *, greedy: bool, trigger: str, cause: str,
+                  producer: str) -> EvalResult:
+        """Load ``version``'s weights (verified) and validate them. ``cause`` is the id of
+        the event that asked for it: one result per (version, reason, cause)."""
+        await asyncio.to_thread(self.holder.load, version.checkpoint, version.checkpoint_hash,
+                                version.version)
+        summary = await evaluate(self.cfg, self.holder, self.builder, None, greedy)
+        self.evaluated += 1
+        return EvalResult(
+            event_id=event_id("eval", self.cfg.run.run_id, version.version, version.reason,
+                              cause),
+            run_id=self.cfg.run.run_id, producer=producer, key="eval",
+            policy_version=version.version, trigger=trigger, **summary)

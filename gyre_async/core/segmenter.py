@@ -1,0 +1,212 @@
+"""The segmenter's core: trajectory steps in, closed training segments out (no bus, no I/O).
+
+A segment closes when a milestone is reached (a sub-task completed), optionally when the
+environment signals a significant state change, at ``max_segment_steps``, and when the
+trajectory ends. :func:`segment_arrays` gives the arrays the learner trains on and
+:func:`segment_closed` the event that announces them once they are stored.
+
+Crash safety is expressed as a commit floor: open segments, and closed segments not yet
+written (:class:`PendingWrites`), live only in memory, so the runtime must never commit past
+the oldest step they hold. After a restart :meth:`SegmenterCore.restore` folds the
+segmenter's own ``segment-closed`` log back in, so redelivered steps of already-closed
+segments are skipped and nothing is segmented twice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from gyre_async.envs.macros import env_steps_of
+from gyre_async.storage.segments import SegmentRef
+from schemas import event_id
+from schemas.config import SegmenterConfig
+from schemas.events import BoundaryReason, EnvError, SegmentClosed, TrajectoryStep
+from schemas.topics import TRAJECTORY_STEP
+
+#: (topic, partition) -> the lowest offset still needed after a crash
+CommitFloor = dict[tuple[str, int], int]
+
+
+@dataclass
+class OpenSegment:
+    steps: list[TrajectoryStep] = field(default_factory=list)
+    offsets: list[tuple[int, int]] = field(default_factory=list)  # (partition, offset)
+
+
+@dataclass(frozen=True)
+class ClosedSegment:
+    trajectory_id: str
+    steps: tuple[TrajectoryStep, ...]
+    boundary: BoundaryReason
+    terminal: bool  # the trajectory ended with a real outcome (no value bootstrap)
+    first_offset: tuple[int, int] = (0, -1)  # (partition, offset) of its first step
+
+
+def pad(rows: list[list[int]], width: int, dtype=np.int32) -> tuple[np.ndarray, np.ndarray]:
+    out = np.zeros((len(rows), max(width, 1)), dtype=dtype)
+    lengths = np.zeros(len(rows), dtype=np.int32)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = row
+        lengths[i] = len(row)
+    return out, lengths
+
+
+def segment_arrays(seg: ClosedSegment) -> dict[str, np.ndarray]:
+    """The arrays the learner trains on, one row per step."""
+    steps = seg.steps
+    ctx, ctx_len = pad([s.context_tokens for s in steps], max(len(s.context_tokens) for s in steps))
+    width = max(len(s.action_tokens) for s in steps)
+    act, act_len = pad([s.action_tokens for s in steps], width)
+    logp = np.zeros((len(steps), max(width, 1)), dtype=np.float32)
+    for i, s in enumerate(steps):
+        logp[i, : len(s.action_logprobs)] = s.action_logprobs
+    mask = (np.arange(max(width, 1))[None, :] < act_len[:, None]).astype(np.uint8)
+    last = steps[-1]
+    boot = last.next_context_tokens or []
+    boot_arr = np.zeros((1, max(len(boot), 1)), dtype=np.int32)
+    boot_arr[0, : len(boot)] = boot
+    return {
+        "context_tokens": ctx, "context_len": ctx_len, "action_tokens": act,
+        "action_logprobs": logp, "action_mask": mask,
+        "policy_version": np.array([s.policy_version for s in steps], dtype=np.int32),
+        "feedback": np.array([s.feedback for s in steps], dtype=np.float32),
+        "step_index": np.array([s.step_index for s in steps], dtype=np.int64),
+        "bootstrap_context": boot_arr,
+        "bootstrap_len": np.array([len(boot)], dtype=np.int32),
+        "terminal": np.array([1 if seg.terminal else 0], dtype=np.uint8),
+    }
+
+
+def segment_id(run_id: str, seg: ClosedSegment) -> str:
+    """Deterministic: the same steps of the same trajectory always get the same id."""
+    return event_id("segment", run_id, seg.trajectory_id, seg.steps[0].step_index,
+                    seg.steps[-1].step_index + 1)
+
+
+def segment_closed(seg: ClosedSegment, segment_id: str, ref: SegmentRef, *, run_id: str,
+                   producer: str) -> SegmentClosed:
+    """The announcement of a stored segment (only ever made after the write)."""
+    first, last = seg.steps[0], seg.steps[-1]
+    versions = [s.policy_version for s in seg.steps]
+    return SegmentClosed(
+        event_id=event_id("segment-closed", segment_id),
+        run_id=run_id, producer=producer, key=seg.trajectory_id,
+        segment_id=segment_id, trajectory_id=seg.trajectory_id, task_id=first.task_id,
+        step_start=first.step_index, step_end=last.step_index + 1, boundary=seg.boundary,
+        address=ref.address, content_hash=ref.content_hash,
+        min_policy_version=min(versions), max_policy_version=max(versions),
+        trajectory_done=seg.boundary == "trajectory-end", success=last.success,
+        milestones=[m for s in seg.steps for m in s.milestones],
+        milestone_steps=[s.step_index for s in seg.steps for _ in s.milestones],
+        feedback=[s.feedback for s in seg.steps],
+        actions=[s.action_text for s in seg.steps],
+        env_steps=sum(env_steps_of(s) for s in seg.steps),
+    )
+
+
+def _lower(floor: CommitFloor, partition: int, offset: int) -> None:
+    where = (TRAJECTORY_STEP, partition)
+    floor[where] = min(floor.get(where, offset), offset)
+
+
+class SegmenterCore:
+    """Pure segmentation logic: steps in, closed segments out (no bus, no storage)."""
+
+    def __init__(self, config: SegmenterConfig):
+        self.config = config
+        self.open: dict[str, OpenSegment] = {}
+        self.next_step: dict[str, int] = {}  # first step index not yet in a closed segment
+        self.ended: set[str] = set()
+
+    def restore(self, closed: SegmentClosed) -> None:
+        """Fold one of our own past outputs back into state (restart recovery)."""
+        self.next_step[closed.trajectory_id] = max(
+            self.next_step.get(closed.trajectory_id, 0), closed.step_end
+        )
+        if closed.boundary == "trajectory-end":
+            self.ended.add(closed.trajectory_id)
+
+    def add(self, step: TrajectoryStep, where: tuple[int, int]) -> list[ClosedSegment]:
+        tid = step.trajectory_id
+        if tid in self.ended or step.step_index < self.next_step.get(tid, 0):
+            return []  # already segmented (redelivery after a restart)
+        seg = self.open.setdefault(tid, OpenSegment())
+        if seg.steps and step.step_index <= seg.steps[-1].step_index:
+            return []  # duplicate within the open segment
+        if seg.steps and step.step_index != seg.steps[-1].step_index + 1:
+            # A gap (a step lost upstream, e.g. dead-lettered): a segment covers contiguous
+            # steps only, so cut before the gap and start a new segment at this step.
+            return [self._close(tid, "max-length", terminal=False)] + self.add(step, where)
+        seg.steps.append(step)
+        seg.offsets.append(where)
+        if step.done or step.truncated:
+            return [self._close(tid, "trajectory-end", terminal=step.done and not step.truncated)]
+        if step.milestones and self.config.close_on_milestone:
+            return [self._close(tid, "milestone", terminal=False)]
+        if step.state_changed and self.config.close_on_state_change:
+            return [self._close(tid, "state-change", terminal=False)]
+        if len(seg.steps) >= self.config.max_segment_steps:
+            return [self._close(tid, "max-length", terminal=False)]
+        return []
+
+    def abort(self, error: EnvError) -> list[ClosedSegment]:
+        """An environment failure ends the trajectory: close what is open, as truncated."""
+        tid = error.trajectory_id
+        seg = self.open.get(tid)
+        self.ended.add(tid)
+        if seg is None or not seg.steps:
+            self.open.pop(tid, None)
+            return []
+        return [self._close(tid, "trajectory-end", terminal=False)]
+
+    def _close(self, tid: str, boundary: BoundaryReason, terminal: bool) -> ClosedSegment:
+        seg = self.open.pop(tid)
+        self.next_step[tid] = seg.steps[-1].step_index + 1
+        if boundary == "trajectory-end":
+            self.ended.add(tid)
+        return ClosedSegment(tid, tuple(seg.steps), boundary, terminal, seg.offsets[0])
+
+    def commit_floor(self) -> CommitFloor:
+        floor: CommitFloor = {}
+        for seg in self.open.values():
+            for partition, offset in seg.offsets[:1]:
+                _lower(floor, partition, offset)
+        return floor
+
+
+class PendingWrites:
+    """Closed segments waiting to be written together, in one store transaction.
+
+    One batched write (one fsync round) for several segments instead of one per segment:
+    the store's per-write cost is dominated by syncing, not by bytes. A batch is due once
+    it holds ``write_batch_segments`` segments or its oldest has waited ``write_delay_s``
+    (``now`` is any monotonic clock, in seconds).
+    """
+
+    def __init__(self, config: SegmenterConfig):
+        self.config = config
+        self.segments: list[ClosedSegment] = []
+        self._oldest: float | None = None
+
+    def extend(self, closed: list[ClosedSegment]) -> None:
+        self.segments += closed
+
+    def take_due(self, now: float) -> list[ClosedSegment]:
+        if not self.segments:
+            return []
+        if self._oldest is None:
+            self._oldest = now
+        if (len(self.segments) < self.config.write_batch_segments
+                and now - self._oldest < self.config.write_delay_s):
+            return []  # wait for more: their steps stay uncommitted (commit_floor)
+        due, self.segments, self._oldest = self.segments, [], None
+        return due
+
+    def hold(self, floor: CommitFloor) -> CommitFloor:
+        """``floor`` lowered to the first step of every segment not yet written (a crash
+        before the write must get those steps again)."""
+        for seg in self.segments:
+            _lower(floor, *seg.first_offset)
+        return floor

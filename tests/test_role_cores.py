@@ -1,0 +1,81 @@
+"""The cores of the sampler, segmenter and evaluator, driven directly (no bus, no loop)."""
+
+from __future__ import annotations
+
+import msgspec
+from test_loop_e2e import TINY
+
+from gyre_async.config import load_config
+from gyre_async.core.evaluation import eval_trigger
+from gyre_async.core.sampler import UnfinishedTrajectories
+from gyre_async.core.segmenter import PendingWrites, SegmenterCore
+from schemas import event_id
+from schemas.config import SegmenterConfig
+from schemas.events import EnvError, PolicyVersion, TrajectoryStep
+from schemas.topics import TRAJECTORY_STEP
+
+
+def step(tid: str, i: int, **outcome) -> TrajectoryStep:
+    return TrajectoryStep(event_id=event_id("s", tid, i), run_id="t", producer="sampler",
+                          key=tid, trajectory_id=tid, task_id=f"task-{tid}", step_index=i,
+                          policy_version=0, context_tokens=[1], action_tokens=[2],
+                          action_logprobs=[-0.1], **outcome)
+
+
+def test_closed_segments_wait_for_a_batch_and_hold_the_commit_floor():
+    config = SegmenterConfig(max_segment_steps=2, write_batch_segments=2, write_delay_s=1.0)
+    core, pending = SegmenterCore(config), PendingWrites(config)
+    for i in range(3):  # steps 0-1 close at max length (offsets 10, 11); step 2 stays open
+        pending.extend(core.add(step("a", i), (0, 10 + i)))
+    assert core.commit_floor() == {(TRAJECTORY_STEP, 0): 12}
+    # the closed segment is not written yet: a crash must redeliver its steps from 10
+    assert pending.hold(core.commit_floor()) == {(TRAJECTORY_STEP, 0): 10}
+    assert pending.take_due(now=100.0) == []  # one segment, and its wait starts now
+    assert pending.take_due(now=100.9) == []
+    due = pending.take_due(now=101.0)  # write_delay_s passed
+    assert [(s.steps[0].step_index, s.boundary) for s in due] == [(0, "max-length")]
+    assert pending.hold({}) == {}
+    # two segments at once are a full batch: due without waiting
+    pending.extend(core.add(step("a", 3), (0, 13)))
+    pending.extend(core.add(step("b", 0, done=True, success=True), (1, 5)))
+    due = pending.take_due(now=200.0)
+    assert [(s.trajectory_id, s.boundary, s.terminal) for s in due] == [
+        ("a", "max-length", False), ("b", "trajectory-end", True)]
+    assert core.commit_floor() == {}
+
+
+def test_unfinished_trajectories_are_the_open_ones_each_ended_one_step_later():
+    unfinished = UnfinishedTrajectories()
+    events = [step("open", 0), step("open", 1), step("done", 0), step("done", 1, done=True),
+              step("cut", 0, truncated=True), step("failed", 0),
+              EnvError(event_id="e", run_id="t", producer="sampler", key="failed",
+                       trajectory_id="failed", task_id="x", step_index=1, kind="timeout",
+                       message="slow")]
+    for event in events:
+        unfinished.fold(event)
+    [abandoned] = unfinished.abandoned("t", "sampler")
+    assert (abandoned.trajectory_id, abandoned.task_id, abandoned.step_index) == (
+        "open", "task-open", 2)
+    assert "abandoned" in abandoned.message
+    # the same log gives the same error (idempotent by event id after another restart)
+    assert unfinished.abandoned("t", "sampler")[0].event_id == abandoned.event_id
+
+
+def test_which_versions_the_evaluator_validates_and_why():
+    cfg = load_config(TINY)  # every_versions = 2, on_reasons = ["warmstart"]
+    assert cfg.evaluator.every_versions == 2 and cfg.evaluator.on_reasons == ["warmstart"]
+
+    def version(v: int, reason: str = "update", **metrics: float) -> PolicyVersion:
+        return PolicyVersion(event_id=f"pv{v}", run_id="t", producer="learner", key="policy",
+                             version=v, checkpoint="c", checkpoint_hash="h", reason=reason,
+                             metrics=metrics)
+
+    assert eval_trigger(cfg, version(0, "init")) == "schedule"
+    assert eval_trigger(cfg, version(3)) == ""
+    assert eval_trigger(cfg, version(4)) == "schedule"
+    assert eval_trigger(cfg, version(3, final=1.0)) == "final"
+    assert eval_trigger(cfg, version(3, "rollback")) == "reason:rollback"
+    assert eval_trigger(cfg, version(1, "warmstart")) == "reason:warmstart"
+    every = msgspec.structs.replace(cfg, evaluator=msgspec.structs.replace(
+        cfg.evaluator, every_versions=0))  # 0 is read as 1: every version
+    assert eval_trigger(every, version(3)) == "schedule"

@@ -328,3 +328,31 @@ def test_monitor_in_a_pty_follows_a_running_loop(tmp_path):
     assert (f"segments {len(log.segments)} closed  {len(log.scored)} scored  "
             f"{len(log.dropped)} dropped") in out
     assert "caught up" in out and "n/a (no drift-report events)" in out
+
+
+def test_a_redelivered_copy_is_folded_once():
+    """At-least-once delivery may publish an event twice (same id): counted once, and the
+    copy is shown as a duplicate."""
+    s = MonitorState()
+    first = seg("s1", 1, 0, done=True, success=True)
+    assert s.apply(first) and not s.apply(first)
+    assert s.counts.segments == 1 and s.counts.episodes == 1 and s.counts.duplicates == 1
+    assert "duplicates 1" in frame_text(s)
+
+
+def test_once_skips_and_shows_an_undecodable_record(tmp_path, capsys):
+    from gyre_async.ui.monitor import monitor
+    from schemas import encode
+
+    url = f"sqlite:///{tmp_path}/events.db"
+
+    async def write():
+        async with open_bus(url) as bus:
+            await bus.create_topics([POLICY_VERSION], 1)
+            await bus.publish(POLICY_VERSION, [(b"policy", encode(pv(0, 0, reason="init"))),
+                                               (b"policy", b"\xff not an event")])
+
+    asyncio.run(write())
+    assert asyncio.run(monitor(url, once=True)) == 0
+    out = capsys.readouterr().out
+    assert "policy v0 (init)" in out and "undecodable 1 (skipped)" in out

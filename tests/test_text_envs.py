@@ -167,11 +167,10 @@ async def test_warm_start_beats_the_initial_policy_on_held_out_seeds(tmp_path):
 
 async def _events(url: str, topic: str):
     from gyre_async.bus import open_bus
-    from gyre_async.bus.reading import read_topics
-    from schemas import decode
+    from gyre_async.bus.reading import read_events
 
     async with open_bus(url) as bus:
-        return [decode(topic, r.value, 1 << 40) for r in await read_topics(bus, [topic])]
+        return [e async for _, e in read_events(bus, [topic], on_bad="raise")]
 
 
 async def test_gyre_run_starts_from_the_warm_start_then_exports_and_evaluates_on_request(

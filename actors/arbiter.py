@@ -44,9 +44,9 @@ class Arbiter(Actor):
         return cls(cfg.arbiter)
 
     async def on_start(self) -> None:
-        self.core.producer = self.runner.name
+        self.core.producer = self.runner.name  # our outputs, and the log we fold, carry it
         # telemetry is mostly heartbeats: read it only when drift reports can be there
-        topics = [SCORED, TELEMETRY] if self.core.drift.reference is not None else [SCORED]
+        topics = [SCORED, TELEMETRY] if self.core.watches_drift else [SCORED]
         async for _record, event in read_events(self.runner.bus, topics, on_bad="skip",
                                                 counts=self.rebuild):
             self.core.apply(event)
@@ -59,6 +59,4 @@ class Arbiter(Actor):
         return []
 
     def stats(self):
-        return {"scored": float(self.core.scored), "reward_failed": float(self.core.failed),
-                "prm_weight": float(self.core.drift.weight),
-                "rebuild_skipped": float(self.rebuild.skipped)}
+        return {**self.core.stats(), "rebuild_skipped": float(self.rebuild.skipped)}

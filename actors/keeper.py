@@ -86,8 +86,4 @@ class Keeper(Actor):
     def stats(self):
         if self.core is None:
             return {}
-        core = self.core
-        return {"rollbacks": float(core.sequence), "faults": float(core.faults),
-                "best_version": float(core.best.policy_version if core.best else -1),
-                "rebuild_skipped": float(self.rebuild.skipped),
-                **{f"update_{k}": v for k, v in core.last_measures.items()}}
+        return {**self.core.stats(), "rebuild_skipped": float(self.rebuild.skipped)}

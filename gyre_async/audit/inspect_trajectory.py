@@ -52,11 +52,14 @@ async def collect(bus: Bus, trajectory_id: str) -> dict[str, Any]:
 
 def render(trajectory_id: str, info: dict[str, Any], max_steps: int = 0) -> str:
     steps, segments = info["steps"], info["segments"]
+    skipped = (f"  ({info['undecodable']} undecodable records of the log skipped)"
+               if info.get("undecodable") else "")
     if not steps and not segments:
-        return f"no events for trajectory {trajectory_id!r} (ids look like sampler-<hex>-<n>)"
+        return (f"no events for trajectory {trajectory_id!r} (ids look like sampler-<hex>-<n>)"
+                + (f"\n{skipped}" if skipped else ""))
     lines = [f"trajectory {trajectory_id}: {len(steps)} steps, {len(segments)} segments"]
-    if info.get("undecodable"):
-        lines.append(f"  ({info['undecodable']} undecodable records of the log skipped)")
+    if skipped:
+        lines.append(skipped)
     if steps:
         last = steps[-1]
         versions = sorted({s.policy_version for s in steps})

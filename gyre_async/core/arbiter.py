@@ -64,6 +64,15 @@ class ArbiterCore:
             case DriftReport():
                 self.drift.apply(event)
 
+    @property
+    def watches_drift(self) -> bool:
+        """Whether drift reports are made (and so must be folded on a restart)."""
+        return self.drift.reference is not None
+
+    def stats(self) -> dict[str, float]:
+        return {"scored": float(self.scored), "reward_failed": float(self.failed),
+                "prm_weight": float(self.drift.weight)}
+
     def handle(self, segment: SegmentClosed) -> list[Event]:
         """Live: the segment's outputs (a drift report first when a check is due, then its
         ``scored`` or ``reward-failed`` events), each applied before it is returned."""

@@ -83,6 +83,11 @@ class KeeperCore:
         self._weights: OrderedDict[int, dict[str, torch.Tensor]] = OrderedDict()
         self.last_measures: dict[str, float] = {}
 
+    def stats(self) -> dict[str, float]:
+        return {"rollbacks": float(self.sequence), "faults": float(self.faults),
+                "best_version": float(self.best.policy_version if self.best else -1),
+                **{f"update_{k}": v for k, v in self.last_measures.items()}}
+
     # -- the fold ---------------------------------------------------------------------------------
     def apply(self, event: Event) -> None:
         """Fold one input or output event into the state (a restart and live work alike)."""

@@ -48,11 +48,12 @@ class ArbiterCore:
             return
         match event:
             case Scored() | RewardFailed():
-                first = event.segment_id not in self.handled
+                if event.segment_id in self.handled:
+                    return  # a redelivered copy, or the segment's next failed component
                 self.handled.add(event.segment_id)
                 if isinstance(event, Scored):
                     self.scored += 1
-                elif first:
+                else:
                     self.failed += 1
                 if event.trajectory_done:  # the trajectory ended (scored or withheld)
                     self.paid.pop(event.trajectory_id, None)

@@ -12,23 +12,20 @@ exact definitions and the failure policy, is :mod:`gyre_async.rewards.arbitratio
 
 A component that fails emits ``reward-failed`` (one per component, with the reason) and
 the segment gets no ``scored`` event: it is withheld, never paid with a zero in place of
-the failed part. Pay-once and farming-guard state is rebuilt on restart from our own
-``scored`` log, and a segment already in that log is not scored again, so a redelivered
-segment is never paid twice; the drift monitor's schedule and the process
-model's weight in force are rebuilt from our ``scored`` and ``drift-report`` events
-(:mod:`gyre_async.rewards.drift`).
+the failed part. The state (pay-once, the farming guard's memory, the segments already
+handled, the drift monitor's schedule and the process model's weight in force) is the
+fold of our own ``scored`` and ``drift-report`` events (:mod:`gyre_async.core.arbiter`):
+on restart they are read back and applied, live each output is applied as it is made, so
+a redelivered segment is never scored, and never paid, twice.
 """
 
 from __future__ import annotations
 
+from gyre_async.bus.reading import ReadCounts, read_events
+from gyre_async.core.arbiter import ArbiterCore
 from gyre_async.runtime.actor import Actor, Emit
-from gyre_async.bus.reading import iter_topics
-from gyre_async.rewards.arbitration import Arbitration
-from gyre_async.rewards.drift import DriftWatch
-from gyre_async.rewards.guards import NEW_TRAJECTORY, FarmState
-from schemas import decode
 from schemas.config import ArbiterConfig, Config
-from schemas.events import DriftReport, Scored, SegmentClosed
+from schemas.events import DriftReport, SegmentClosed
 from schemas.topics import SCORED, SEGMENT_CLOSED, TELEMETRY
 
 
@@ -39,67 +36,27 @@ class Arbiter(Actor):
 
     def __init__(self, config: ArbiterConfig):
         self.config = config
-        self.arbitration = Arbitration(config)  # builds rules now: bad config fails at start
-        self.drift = DriftWatch(config, self.arbitration.prm)
-        self.paid: dict[str, set[str]] = {}
-        self.farm: dict[str, FarmState] = {}  # the farming guard's memory per trajectory
-        self.handled_before_start: set[str] = set()  # segment ids already in our log
-        self.scored = 0
-        self.failed = 0
+        self.core = ArbiterCore(config)  # builds rules now: bad config fails at start
+        self.rebuild = ReadCounts()  # what the restart read back (undecodable records skipped)
 
     @classmethod
     def from_config(cls, cfg: Config) -> Arbiter:
         return cls(cfg.arbiter)
 
     async def on_start(self) -> None:
-        handled: set[str] = set()
-        async for record in iter_topics(self.runner.bus, [SCORED]):
-            event = decode(SCORED, record.value, 1 << 40)
-            if event.producer != self.runner.name:
-                continue
-            handled.add(event.segment_id)
-            if event.trajectory_done:  # the trajectory ended (scored or withheld)
-                self.paid.pop(event.trajectory_id, None)
-                self.farm.pop(event.trajectory_id, None)
-            elif isinstance(event, Scored):  # one trajectory's events are in order
-                self.paid.setdefault(event.trajectory_id, set()).update(event.paid_milestones)
-                self.farm[event.trajectory_id] = FarmState.decode(event.guard_state)
-        last = None
-        if self.drift.reference is not None:
-            async for record in iter_topics(self.runner.bus, [TELEMETRY]):
-                event = decode(TELEMETRY, record.value, 1 << 40)
-                if isinstance(event, DriftReport) and event.producer == self.runner.name and \
-                        (last is None or event.segments_scored >= last.segments_scored):
-                    last = event
-        self.drift.restore(len(handled), last)
-        self.handled_before_start = handled
+        self.core.producer = self.runner.name  # our outputs, and the log we fold, carry it
+        # telemetry is mostly heartbeats: read it only when drift reports can be there
+        topics = [SCORED, TELEMETRY] if self.core.watches_drift else [SCORED]
+        async for _record, event in read_events(self.runner.bus, topics, on_bad="skip",
+                                                counts=self.rebuild):
+            self.core.apply(event)
 
     async def handle(self, event, record):
         match event:
-            case SegmentClosed() if event.segment_id in self.handled_before_start:
-                return []  # redelivered after a restart: its verdict is already on the bus
             case SegmentClosed():
-                out = []
-                report = self.drift.before_segment(event.run_id, self.runner.name)
-                if report is not None:
-                    out.append(Emit(TELEMETRY, report))
-                paid = self.paid.setdefault(event.trajectory_id, set())
-                verdict = self.arbitration.score(
-                    event, paid, self.runner.name, prm_weight=self.drift.weight,
-                    farm_state=self.farm.get(event.trajectory_id, NEW_TRAJECTORY))
-                if event.trajectory_done:
-                    self.paid.pop(event.trajectory_id, None)
-                    self.farm.pop(event.trajectory_id, None)
-                if verdict.scored is None:
-                    self.failed += 1
-                    return out + [Emit(SCORED, f) for f in verdict.failed]
-                paid.update(verdict.scored.paid_milestones)
-                if not event.trajectory_done:
-                    self.farm[event.trajectory_id] = FarmState.decode(verdict.scored.guard_state)
-                self.scored += 1
-                return out + [Emit(SCORED, verdict.scored)]
+                return [Emit(TELEMETRY if isinstance(e, DriftReport) else SCORED, e)
+                        for e in self.core.handle(event)]
         return []
 
     def stats(self):
-        return {"scored": float(self.scored), "reward_failed": float(self.failed),
-                "prm_weight": float(self.drift.weight)}
+        return {**self.core.stats(), "rebuild_skipped": float(self.rebuild.skipped)}

@@ -10,6 +10,7 @@ import asyncio
 import math
 import time
 
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -292,3 +293,30 @@ async def test_a_trajectory_caught_farming_stays_caught_across_a_restart(tmp_pat
     assert "after this trajectory was caught farming" in scored["f-4"].guard_reasons[0]
     assert scored["clean-4"].decided_by == "rule" and math.isclose(scored["clean-4"].total, .01)
     assert len(scored) == 4
+
+
+def test_a_rebuilt_core_has_the_live_cores_state():
+    """The restart path and the live path are one fold: a core that applies another core's
+    outputs (its ``scored`` log) holds the same pay-once, farming and handled state, and
+    does not score a redelivered segment again."""
+    from gyre_async.core.arbiter import ArbiterCore
+
+    config = cfg(rules=FEEDBACK_RULE, guards=GuardConfig(farm_repeat=3))
+    live = ArbiterCore(config, producer="arbiter")
+    segments = [seg(["polish tools"] * 3 + ["craft"], feedback=[.01, .01, .01, .1],
+                    milestones=[proven()], steps=[3], traj="f"),
+                seg(WORK, milestones=[proven()], steps=[4], traj="a"),
+                seg(["wait"], start=5, done=True, traj="a"),
+                seg(["sweep floor", "chop tree"], start=4, feedback=[.01, 0], traj="f")]
+    outputs = [e for s in segments for e in live.handle(s)]
+    assert live.handle(segments[1]) == []  # a redelivered segment: its verdict is logged
+    rebuilt = ArbiterCore(config, producer="arbiter")
+    for event in outputs:
+        rebuilt.apply(event)
+    rebuilt.apply(msgspec.structs.replace(outputs[0], producer="another-arbiter",
+                                         segment_id="x"))  # not ours: ignored
+    assert rebuilt.paid == live.paid == {"f": {"craft:axe#1"}}  # "a" ended: forgotten
+    assert rebuilt.farm == live.farm and rebuilt.farm["f"].caught
+    assert rebuilt.handled == live.handled == {s.segment_id for s in segments}
+    assert (rebuilt.scored, rebuilt.failed) == (live.scored, live.failed) == (4, 0)
+    assert rebuilt.handle(segments[3]) == []

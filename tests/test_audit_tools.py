@@ -178,3 +178,23 @@ def test_replay_learner_rederives_every_updates_advantages(finished_run):
     conn.commit()
     conn.close()
     assert dirty["differences"] == 1, dirty
+
+
+def test_invariants_refuse_a_log_they_cannot_read_and_inspect_counts_it(tmp_path):
+    """An audit does not vouch for a partial log (it raises); an inspection shows what it
+    can and says how many records it skipped."""
+    from gyre_async.audit.inspect_trajectory import collect, render
+    from gyre_async.audit.invariants import read_run
+    from gyre_async.bus.reading import UndecodableRecord
+
+    async def check():
+        async with open_bus(f"sqlite:///{tmp_path}/events.db") as bus:
+            await bus.create_topics([TRAJECTORY_STEP], 1)
+            await bus.publish(TRAJECTORY_STEP, [(b"t1", b"\xff not an event")])
+            with pytest.raises(UndecodableRecord, match="trajectory-step"):
+                await read_run(bus, "r")
+            return await collect(bus, "t1")
+
+    info = asyncio.run(check())
+    assert info["undecodable"] == 1 and info["steps"] == []
+    assert "1 undecodable records of the log skipped" in render("t1", info)

@@ -23,13 +23,8 @@ from gyre_async.policy.base import SamplingParams
 from gyre_async.policy.factory import build_policy, build_tokenizer, save_weights
 from gyre_async.policy.torch_policy import _behaviour_logp
 from gyre_async.rl.exploration import AdaptiveParamNoise, anneal
-from gyre_async.rl.policy_distance import (
-    mean_kl,
-    mean_kl_reference,
-    probe_contexts,
-    relative_param_change,
-    relative_param_change_reference,
-)
+from gyre_async.core.probes import probe_contexts
+from gyre_async.rl.policy_distance import mean_kl, relative_param_change
 from gyre_async.runtime.actor import ActorRunner
 from gyre_async.storage.checkpoints import CheckpointStore
 from schemas import encode, event_id
@@ -77,6 +72,32 @@ def test_sampling_params_follow_the_policy_version():
 
 
 # -- distances against slow references -----------------------------------------------------
+
+def mean_kl_reference(logp_p: list[list[float]], logp_q: list[list[float]]) -> float:
+    """Slow, obviously-correct mean KL(p || q): loops over rows and tokens."""
+    total = 0.0
+    for row_p, row_q in zip(logp_p, logp_q):
+        kl = 0.0
+        for lp, lq in zip(row_p, row_q):
+            if lp == -math.inf:
+                continue
+            kl += math.exp(lp) * (lp - lq)
+        total += kl
+    return total / len(logp_p)
+
+
+def relative_param_change_reference(old: dict[str, torch.Tensor],
+                                    new: dict[str, torch.Tensor]) -> float:
+    """Slow reference: element by element."""
+    num = den = 0.0
+    for name, a in old.items():
+        if not a.is_floating_point():
+            continue
+        for x, y in zip(a.reshape(-1).tolist(), new[name].reshape(-1).tolist()):
+            num += (y - x) ** 2
+            den += x * x
+    return math.sqrt(num / den) if den > 0 else 0.0
+
 
 @settings(max_examples=60, deadline=None, database=None)
 @given(rows=st.integers(1, 4), cols=st.integers(2, 6), seed=st.integers(0, 10_000),
@@ -207,7 +228,7 @@ def test_sampler_records_logprobs_of_the_annealed_distribution(tmp_path):
             async def steps_of(version: int) -> list[TrajectoryStep]:
                 deadline = time.monotonic() + 60
                 while time.monotonic() < deadline:
-                    steps = [s async for _, s in read_events(bus, [TRAJECTORY_STEP],
+                    steps = [e async for _, e in read_events(bus, [TRAJECTORY_STEP],
                                                              on_bad="raise")]
                     mine = [s for s in steps if isinstance(s, TrajectoryStep)
                             and s.policy_version == version]

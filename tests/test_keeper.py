@@ -10,6 +10,7 @@ and reads the keeper's work and the recovery back from the event log.
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from actors.keeper import Keeper
 from actors.learner import Learner
 from gyre_async.runtime.actor import ActorRunner
 from gyre_async.bus import open_bus
-from gyre_async.bus.reading import read_topics
+from gyre_async.bus.reading import read_events
 from gyre_async.config import load_config
 from gyre_async.core.keeper_rules import drop_z, is_better, judge
 from gyre_async.core.keeper_slots import KeptSlots
@@ -33,7 +34,7 @@ from gyre_async.runtime.process import open_run_bus
 from gyre_async.storage.checkpoints import CheckpointStore
 from gyre_async.storage.urls import normalize_store_url
 from gyre_async.runtime.topology import RUN_ROLES, build_actor
-from schemas import decode, encode, event_id
+from schemas import encode, event_id
 from schemas.events import (
     CheckpointFault,
     EvalResult,
@@ -166,7 +167,7 @@ async def _publish(bus, topic: str, *events) -> None:
 async def _wait_for(bus, topics, predicate, timeout: float = 60.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        events = [decode(r.topic, r.value, 1 << 40) for r in await read_topics(bus, topics)]
+        events = [e async for _, e in read_events(bus, topics, on_bad="raise")]
         if predicate(events):
             return events
         await asyncio.sleep(0.2)
@@ -242,6 +243,54 @@ def test_corrupt_best_checkpoint_falls_back_and_learner_follows(tmp_path):
         assert torch.equal(restored[name], tensor), name
 
 
+# -- the fold: one apply for a restart and for live work ------------------------------------
+
+def _interleavings(by_topic: list[list], count: int, seed: int = 0):
+    """Merges of the topics' events that keep each topic's own order (a read-back's)."""
+    rng = random.Random(seed)
+    for _ in range(count):
+        queues = [list(q) for q in by_topic]
+        merged = []
+        while any(queues):
+            merged.append(rng.choice([q for q in queues if q]).pop(0))
+        yield merged
+
+
+@pytest.mark.parametrize("followed", [True, False])
+def test_the_restart_fold_does_not_depend_on_the_order_between_topics(tmp_path, followed):
+    """A restart reads ``keeper``, ``policy-version`` and ``eval`` interleaved in any order;
+    every order gives the same slots, order count, pending order, floor and best."""
+    from gyre_async.core.keeper import KeeperCore
+
+    cfg = _tiny(tmp_path)
+    ids = {"run_id": "tiny", "producer": "keeper", "key": "keeper"}
+    kept = [KeptCheckpoint(event_id=f"k{v}", slot="best", version=v, address=f"a{v}",
+                           sha256="h", **ids) for v in (1, 3)]
+    order = Rollback(event_id="r1", sequence=1, regressed_version=4, restore_version=3,
+                     slot="best", checkpoint="a3", checkpoint_hash="h", learning_rate=1e-4,
+                     previous_learning_rate=1e-3, why="test", **ids)
+    versions = [PolicyVersion(event_id=f"v{v}", run_id="tiny", producer="learner", key="policy",
+                              version=v, checkpoint=f"c{v}", checkpoint_hash="h",
+                              parent=v - 1 if v else None, reason="update" if v else "init",
+                              learning_rate=1e-3) for v in range(5)]
+    if followed:  # the learner's rollback version, counting the order it followed
+        versions.append(PolicyVersion(
+            event_id="v5", run_id="tiny", producer="learner", key="policy", version=5,
+            checkpoint="a3", checkpoint_hash="h", parent=4, reason="rollback",
+            learning_rate=1e-4, metrics={"keeper/rollbacks_applied": 1.0}))
+    evals = [evaluation(1, 0.5), evaluation(3, 0.8), evaluation(4, 0.1)]
+    states = set()
+    for events in _interleavings([[*kept, order], versions, evals], count=40):
+        core = KeeperCore(cfg, KeptSlots(str(tmp_path / "kept")), None, [])
+        for event in events:
+            core.apply(event)
+        states.add((core.slots.slots["best"].version, core.best and core.best.event_id,
+                    core.sequence, core.pending and core.pending.event_id, core.floor,
+                    core.learning_rate, len(core.versions)))
+    assert states == {(3, evals[1].event_id, 1, None if followed else order.event_id,
+                       5 if followed else 0, 1e-4 if followed else 1e-3, 6 if followed else 5)}
+
+
 # -- the poisoned update, in a whole run -----------------------------------------------------
 
 async def run_until_rollback_is_evaluated(cfg, timeout_s: float) -> None:
@@ -264,8 +313,8 @@ async def run_until_rollback_is_evaluated(cfg, timeout_s: float) -> None:
                 for task in tasks:
                     if task.done() and task.exception() is not None:
                         raise task.exception()  # an actor crashed: fail loudly
-                events = [decode(r.topic, r.value, 1 << 40)
-                          for r in await read_topics(bus, [POLICY_VERSION, EVAL])]
+                events = [e async for _, e in read_events(bus, [POLICY_VERSION, EVAL],
+                                                          on_bad="raise")]
                 rollbacks = {e.version for e in events
                              if isinstance(e, PolicyVersion) and e.reason == "rollback"}
                 if any(isinstance(e, EvalResult) and e.policy_version in rollbacks
@@ -297,9 +346,9 @@ def test_poisoned_update_is_rolled_back_and_validation_recovers(tmp_path):
 
     async def read():
         async with open_bus(f"sqlite:///{tmp_path}/run/events.db") as bus:
-            records = await read_topics(bus, [POLICY_VERSION, EVAL, KEEPER])
-            return sorted((decode(r.topic, r.value, 1 << 40) for r in records),
-                          key=lambda e: e.ts)
+            events = [e async for _, e in read_events(bus, [POLICY_VERSION, EVAL, KEEPER],
+                                                      on_bad="raise")]
+            return sorted(events, key=lambda e: e.ts)
 
     events = asyncio.run(read())
     versions = [e for e in events if isinstance(e, PolicyVersion)]

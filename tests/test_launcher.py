@@ -27,7 +27,7 @@ import structlog
 from actors.echo import EchoActor
 from gyre_async.runtime.actor import ActorRunner
 from gyre_async.bus import open_bus
-from gyre_async.bus.reading import read_topics
+from gyre_async.bus.reading import read_events
 from gyre_async.runtime.launcher import (
     Launcher,
     Role,
@@ -42,7 +42,7 @@ from gyre_async.runtime.metrics import (
     serve_actor_metrics,
     start_metrics_server,
 )
-from schemas import decode, encode, event_id
+from schemas import encode, event_id
 from schemas.config import EchoConfig
 from schemas.events import PolicyVersion, Probe
 from schemas.topics import POLICY_VERSION, PROBE_IN
@@ -213,8 +213,7 @@ def test_launcher_runs_core_roles_and_survives_sigkill_on_tansu(tmp_path, tansu,
 
 async def published_versions(url: str, run_id: str) -> list[int]:
     async with open_bus(url) as bus:
-        records = await read_topics(bus, [POLICY_VERSION])
-    events = [decode(POLICY_VERSION, r.value, 1 << 40) for r in records]
+        events = [e async for _, e in read_events(bus, [POLICY_VERSION], on_bad="raise")]
     return sorted({e.version for e in events if isinstance(e, PolicyVersion)
                    and e.run_id == run_id})
 

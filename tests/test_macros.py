@@ -10,7 +10,7 @@ import msgspec
 import pytest
 
 from gyre_async.bus import open_bus
-from gyre_async.bus.reading import read_topics
+from gyre_async.bus.reading import read_events
 from gyre_async.config import load_config
 from gyre_async.envs import WorkshopEnv
 from gyre_async.envs.macros import Macro, MacroEnv, env_steps_of, macros_from_config, with_macros
@@ -21,7 +21,6 @@ from gyre_async.runtime.loop import run_loop
 from gyre_async.policy.factory import action_token_ids, build_tokenizer
 from gyre_async.audit.replay import replay_learner
 from gyre_async.storage.segments import SegmentStore
-from schemas import decode
 from schemas.config import Config, MacroSection
 from schemas.events import PolicyVersion, SegmentClosed, SegmentDropped, TrajectoryStep
 from schemas.topics import POLICY_VERSION, SEGMENT_CLOSED, TELEMETRY, TRAJECTORY_STEP
@@ -121,9 +120,9 @@ def test_run_with_macros_elite_and_retention(tmp_path):
 
     async def read():
         async with open_bus(f"sqlite:///{tmp_path}/events.db") as bus:
-            return [decode(x.topic, x.value, 1 << 40) for x in
-                    await read_topics(bus, [TRAJECTORY_STEP, SEGMENT_CLOSED, POLICY_VERSION,
-                                                    TELEMETRY])]
+            return [e async for _, e in read_events(
+                bus, [TRAJECTORY_STEP, SEGMENT_CLOSED, POLICY_VERSION, TELEMETRY],
+                on_bad="raise")]
 
     events = asyncio.run(read())
     steps = [e for e in events if isinstance(e, TrajectoryStep)]

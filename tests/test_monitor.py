@@ -102,32 +102,32 @@ def frame_text(state: MonitorState) -> str:
 # -- (a) the fold --------------------------------------------------------------------------------
 def test_policy_evals_rollbacks_and_staleness():
     s = MonitorState()
-    s.fold(pv(0, 0, reason="init"))
-    s.fold(pv(1, 10, trained=["s1", "s2"], staleness=1))  # s1, s2 not read yet: pending
-    s.fold(seg("s1", 5, min_version=0))                       # learner v0 - 0 = 0
-    s.fold(seg("s2", 6, min_version=0, done=True, success=True))
-    s.fold(seg("s3", 11, min_version=0, done=True))
-    s.fold(pv(2, 20, trained=["s3"], staleness=2))            # learner v1 - 0 = 1
-    s.fold(pv(1, 30, reason="rollback", parent=2))
-    s.fold(EvalResult(**_env("evaluator", 12), policy_version=1, episodes=4, success_rate=0.25,
+    s.apply(pv(0, 0, reason="init"))
+    s.apply(pv(1, 10, trained=["s1", "s2"], staleness=1))  # s1, s2 not read yet: pending
+    s.apply(seg("s1", 5, min_version=0))                       # learner v0 - 0 = 0
+    s.apply(seg("s2", 6, min_version=0, done=True, success=True))
+    s.apply(seg("s3", 11, min_version=0, done=True))
+    s.apply(pv(2, 20, trained=["s3"], staleness=2))            # learner v1 - 0 = 1
+    s.apply(pv(1, 30, reason="rollback", parent=2))
+    s.apply(EvalResult(**_env("evaluator", 12), policy_version=1, episodes=4, success_rate=0.25,
                       mean_score=0.5, mean_length=60))
-    s.fold(EvalResult(**_env("evaluator", 25), policy_version=2, episodes=4, success_rate=0.5,
+    s.apply(EvalResult(**_env("evaluator", 25), policy_version=2, episodes=4, success_rate=0.5,
                       mean_score=0.7, mean_length=60))
-    s.fold(SegmentDropped(**_env("learner", 31), segment_id="s9", reason="stale", staleness=3))
+    s.apply(SegmentDropped(**_env("learner", 31), segment_id="s9", reason="stale", staleness=3))
     assert s.current.version == 1 and s.current.reason == "rollback"  # the policy in force
-    assert s.max_version == 2 and s.versions == 4 and s.updates == 2
-    assert s.rollbacks == [(T0 + 30, 1, 2)]
+    assert s.max_version == 2 and len(s.versions) == 4 and s.counts.updates == 2
+    assert [(v.ts, v.version, v.parent) for v in s.rollbacks] == [(T0 + 30, 1, 2)]
     assert dict(s.staleness_hist) == {0: 2, 1: 1}
-    assert s.max_staleness_seen == 2 and s.dropped == 1 and dict(s.dropped_hist) == {3: 1}
+    assert s.max_staleness_seen == 2 and s.counts.dropped == 1 and dict(s.dropped_hist) == {3: 1}
     assert s.latest_eval.policy_version == 2 and s.latest_eval.success_rate == 0.5
-    assert s.episodes == 2 and s.successes == 1 and s.train_success == 0.5
+    assert s.counts.episodes == 2 and s.counts.successes == 1 and s.train_success == 0.5
     text = frame_text(s)
     assert "policy v1 (rollback)" in text and "max v2" in text
     assert "rollbacks 1" in text and "latest rollback -> v1 (from v2)" in text
     assert "val success 50.0% (v2)" in text
     assert "n/a (no drift-report events)" in text
     assert "critic resets" not in text
-    s.fold(CriticReset(**_env("learner", 32), version=2, reason="advantage",
+    s.apply(CriticReset(**_env("learner", 32), version=2, reason="advantage",
                        max_abs_advantage=412.0, value_loss=3.5, learning_rate=1.5e-4))
     assert len(s.critic_resets) == 1
     text = frame_text(s)
@@ -137,21 +137,21 @@ def test_policy_evals_rollbacks_and_staleness():
 
 def test_rewards_returns_steps_and_dead_letters():
     s = MonitorState()
-    s.fold(scored("a", 1, {"outcome": 0.0, "milestones": 0.5}, traj="t1"))
-    s.fold(scored("b", 2, {"outcome": 1.0, "milestones": 0.25}, traj="t1", done=True))
-    s.fold(scored("c", 3, {"outcome": 0.0}, traj="t2", done=True))
+    s.apply(scored("a", 1, {"outcome": 0.0, "milestones": 0.5}, traj="t1"))
+    s.apply(scored("b", 2, {"outcome": 1.0, "milestones": 0.25}, traj="t1", done=True))
+    s.apply(scored("c", 3, {"outcome": 0.0}, traj="t2", done=True))
     assert s.components == {"outcome": [3, 1.0], "milestones": [2, 0.75]}
-    assert s.scored == 3 and s.total_reward == 1.75
+    assert s.counts.scored == 3 and s.total_reward == 1.75
     assert list(s.returns) == [1.75, 0.0]  # per episode: sum of its segments' totals
     for i in range(50):
-        s.fold(step(100 + i * 0.2, i))  # 50 steps over 10 s
+        s.apply(step(100 + i * 0.2, i))  # 50 steps over 10 s
     assert s.steps == 50 and abs(s.env_steps_avg() - 50 / 9.8) < 1e-6
     assert 4.0 <= s.env_steps_per_s() <= 5.0
-    s.fold(EnvError(**_env("sampler", 110), trajectory_id="t1", task_id="task", step_index=3,
+    s.apply(EnvError(**_env("sampler", 110), trajectory_id="t1", task_id="task", step_index=3,
                     kind="timeout", message="slow tool"))
     for i, reason in enumerate(["r1", "r2", "r3", "r4"]):
-        s.fold(dead(111 + i, reason))
-    assert s.dead_letters == 4 and [d.reason for d in s.latest_dead] == ["r2", "r3", "r4"]
+        s.apply(dead(111 + i, reason))
+    assert s.counts.dead_letters == 4 and [d.reason for d in s.latest_dead] == ["r2", "r3", "r4"]
     text = frame_text(s)
     assert "env steps 50" in text and "dead letters 4" in text and "timeout 1" in text
     assert "segment-closed: r4" in text and "segment-closed: r1" not in text
@@ -161,16 +161,16 @@ def test_rewards_returns_steps_and_dead_letters():
 def test_heartbeats_rates_lag_and_a_silent_actor_is_named():
     s = MonitorState()  # heartbeat period 5 s: silent after 15 s without one
     for t in range(0, 41, 5):
-        s.fold(hb("learner", "learner", t, processed=10 * t, lag=7))
+        s.apply(hb("learner", "learner", t, processed=10 * t, lag=7))
     for t in (0, 5, 10, 15):
-        s.fold(hb("sampler", "sampler", t, processed=t))
+        s.apply(hb("sampler", "sampler", t, processed=t))
     for t in (30, 35, 40):  # a second sampler process, named apart
-        s.fold(hb("sampler-2", "sampler", t, processed=2 * t, lag=4))
-    s.fold(hb("arbiter", "arbiter", 30, processed=3))
+        s.apply(hb("sampler-2", "sampler", t, processed=2 * t, lag=4))
+    s.apply(hb("arbiter", "arbiter", 30, processed=3))
     assert s.silent_actors() == ["sampler"]  # 40 - 15 = 25 s > 15 s; arbiter 10 s: fine
     assert s.actors["learner"].rate() == 10.0 and s.actors["learner"].lag == 7
     assert s.role_rates()["sampler"] == 3.0 and s.role_rates()["arbiter"] is None
-    s.fold(hb("learner", "learner", 45, processed=2))  # restarted: counter began again
+    s.apply(hb("learner", "learner", 45, processed=2))  # restarted: counter began again
     assert s.actors["learner"].rate() is None and s.actors["learner"].processed == 2
     text = frame_text(s)
     assert "SILENT: sampler" in text
@@ -181,10 +181,10 @@ def test_heartbeats_rates_lag_and_a_silent_actor_is_named():
 
 def test_run_filter_skips_other_runs():
     s = MonitorState(run_id="mine")
-    assert s.fold(pv(3, 1, run="mine"))
-    assert not s.fold(pv(9, 2, run="other"))
-    assert not s.fold(seg("x", 3, 0, done=True, run="other"))
-    assert s.current.version == 3 and s.episodes == 0 and s.skipped == 2
+    assert s.apply(pv(3, 1, run="mine"))
+    assert not s.apply(pv(9, 2, run="other"))
+    assert not s.apply(seg("x", 3, 0, done=True, run="other"))
+    assert s.current.version == 3 and s.counts.episodes == 0 and s.counts.other_runs == 2
     assert "run mine" in frame_text(s)
 
 
@@ -324,7 +324,35 @@ def test_monitor_in_a_pty_follows_a_running_loop(tmp_path):
     assert f"{len(log.evals)} evals" in out
     assert f"dead letters {final['dead']}" in out
     assert f"env steps {log.steps} " in out and log.steps == summary["env_steps"]
-    assert f"episodes {log.episodes} " in out
+    assert f"episodes {log.counts.episodes} " in out
     assert (f"segments {len(log.segments)} closed  {len(log.scored)} scored  "
             f"{len(log.dropped)} dropped") in out
     assert "caught up" in out and "n/a (no drift-report events)" in out
+
+
+def test_a_redelivered_copy_is_folded_once():
+    """At-least-once delivery may publish an event twice (same id): counted once, and the
+    copy is shown as a duplicate."""
+    s = MonitorState()
+    first = seg("s1", 1, 0, done=True, success=True)
+    assert s.apply(first) and not s.apply(first)
+    assert s.counts.segments == 1 and s.counts.episodes == 1 and s.counts.duplicates == 1
+    assert "duplicates 1" in frame_text(s)
+
+
+def test_once_skips_and_shows_an_undecodable_record(tmp_path, capsys):
+    from gyre_async.ui.monitor import monitor
+    from schemas import encode
+
+    url = f"sqlite:///{tmp_path}/events.db"
+
+    async def write():
+        async with open_bus(url) as bus:
+            await bus.create_topics([POLICY_VERSION], 1)
+            await bus.publish(POLICY_VERSION, [(b"policy", encode(pv(0, 0, reason="init"))),
+                                               (b"policy", b"\xff not an event")])
+
+    asyncio.run(write())
+    assert asyncio.run(monitor(url, once=True)) == 0
+    out = capsys.readouterr().out
+    assert "policy v0 (init)" in out and "undecodable 1 (skipped)" in out

@@ -313,3 +313,21 @@ def test_report_cli_without_data_and_with_a_rollback(tmp_path, capsys):
     assert "stale: 1" in page
 
     assert run(parser.parse_args(["report", str(tmp_path / "missing")])) == 2
+
+
+def test_report_counts_an_undecodable_record_and_a_duplicate(tmp_path):
+    """Skipped records and ignored copies are shown under health, not silently lost."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    events = _synthetic_run(time.time() - 100)
+
+    async def write():
+        await _write_log(run_dir / "events.db", [*events, events[0]])
+        async with open_bus(f"sqlite:///{run_dir / 'events.db'}") as bus:
+            await bus.publish(EVAL, [(b"eval", b"\xff not an event")])
+
+    asyncio.run(write())
+    page = Path(asyncio.run(build_report(str(run_dir)))).read_text()
+    assert "<td>undecodable records (skipped)</td><td>1</td>" in page
+    assert "<td>duplicate deliveries (ignored)</td><td>1</td>" in page
+    assert "<td>undecodable_records</td><td>1</td>" in page  # the computed summary says so

@@ -18,11 +18,10 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may be downloaded
 
 from gyre_async.bus import open_bus  # noqa: E402
-from gyre_async.bus.reading import read_topics  # noqa: E402
+from gyre_async.bus.reading import read_events  # noqa: E402
 from gyre_async.runtime.loop import run_loop  # noqa: E402
 from gyre_async.policy.factory import build_policy, load_weights, save_weights  # noqa: E402
 from gyre_async.storage.checkpoints import CheckpointStore  # noqa: E402
-from schemas import decode  # noqa: E402
 from schemas.config import Config  # noqa: E402
 from schemas.events import PolicyVersion, TrajectoryStep  # noqa: E402
 from schemas.topics import POLICY_VERSION, TRAJECTORY_STEP  # noqa: E402
@@ -50,8 +49,8 @@ def smollm2_config(run_dir) -> Config:
 
 async def _events(url: str):
     async with open_bus(url) as bus:
-        return [(r.topic, decode(r.topic, r.value, 1 << 40))
-                for r in await read_topics(bus, [POLICY_VERSION, TRAJECTORY_STEP])]
+        return [(r.topic, e) async for r, e in read_events(
+            bus, [POLICY_VERSION, TRAJECTORY_STEP], on_bad="raise")]
 
 
 def test_smollm2_policy_runs_the_loop(tmp_path):

@@ -170,7 +170,7 @@ async def _events(url: str, topic: str):
     from gyre_async.bus.reading import read_events
 
     async with open_bus(url) as bus:
-        return [event async for _, event in read_events(bus, [topic], on_bad="raise")]
+        return [e async for _, e in read_events(bus, [topic], on_bad="raise")]
 
 
 async def test_gyre_run_starts_from_the_warm_start_then_exports_and_evaluates_on_request(

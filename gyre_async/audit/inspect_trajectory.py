@@ -4,20 +4,21 @@ Steps (action, feedback, milestones with their state proof, the policy version t
 tool latency), the segments it was cut into (boundary reason, store address), each
 segment's reward components and the level that decided it, the learner batch (policy
 version) that trained on each segment or why it was dropped, and environment errors.
+Undecodable records are skipped and their number shown (an inspection of a damaged log
+still shows what it can).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from schemas import DecodeError, decode
 from schemas.events import (
     EnvError, PolicyVersion, Scored, SegmentClosed, SegmentDropped, TrajectoryStep,
 )
 from schemas.topics import POLICY_VERSION, SCORED, SEGMENT_CLOSED, TELEMETRY, TRAJECTORY_STEP
 
 from gyre_async.bus import Bus
-from gyre_async.bus.reading import iter_topics
+from gyre_async.bus.reading import ReadCounts, read_events
 
 
 async def collect(bus: Bus, trajectory_id: str) -> dict[str, Any]:
@@ -26,11 +27,8 @@ async def collect(bus: Bus, trajectory_id: str) -> dict[str, Any]:
               if t in known]
     steps, errors, segments, scored, dropped = [], [], [], {}, {}
     trained_in: dict[str, int] = {}
-    async for record in iter_topics(bus, topics):
-        try:
-            event = decode(record.topic, record.value, 1 << 40)
-        except DecodeError:
-            continue
+    read = ReadCounts()
+    async for _record, event in read_events(bus, topics, on_bad="skip", counts=read):
         match event:
             case TrajectoryStep() if event.trajectory_id == trajectory_id:
                 steps.append(event)
@@ -49,14 +47,19 @@ async def collect(bus: Bus, trajectory_id: str) -> dict[str, Any]:
     segments.sort(key=lambda s: s.step_start)
     return {"steps": steps, "errors": errors, "segments": segments, "scored": scored,
             "dropped": {k: v for k, v in dropped.items() if k in {s.segment_id for s in segments}},
-            "trained_in": trained_in}
+            "trained_in": trained_in, "undecodable": read.skipped}
 
 
 def render(trajectory_id: str, info: dict[str, Any], max_steps: int = 0) -> str:
     steps, segments = info["steps"], info["segments"]
+    skipped = (f"  ({info['undecodable']} undecodable records of the log skipped)"
+               if info.get("undecodable") else "")
     if not steps and not segments:
-        return f"no events for trajectory {trajectory_id!r} (ids look like sampler-<hex>-<n>)"
+        return (f"no events for trajectory {trajectory_id!r} (ids look like sampler-<hex>-<n>)"
+                + (f"\n{skipped}" if skipped else ""))
     lines = [f"trajectory {trajectory_id}: {len(steps)} steps, {len(segments)} segments"]
+    if skipped:
+        lines.append(skipped)
     if steps:
         last = steps[-1]
         versions = sorted({s.policy_version for s in steps})

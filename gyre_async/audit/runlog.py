@@ -1,98 +1,57 @@
 """What a run's event log says: metrics, summary and the learning-curve plot.
 
 Everything here is derived from the recorded events (no side channel), so the same code
-serves a finished run, a live one and a replayed Kafka archive.
+serves a finished run, a live one and a replayed Kafka archive. The events are folded by
+:class:`~gyre_async.audit.run_fold.RunFold`, the fold the monitor, the report and the
+progress line use too; this module only reads the log into it and writes the files.
+Undecodable records are skipped and counted (``undecodable_records`` in the summary).
 """
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
 
-from schemas import DecodeError, decode
-from schemas.events import (
-    EvalResult, Heartbeat, PolicyVersion, Scored, SegmentClosed, SegmentDropped, TrajectoryStep,
-)
+from schemas.events import PolicyVersion
 from schemas.topics import EVAL, POLICY_VERSION, SCORED, SEGMENT_CLOSED, TELEMETRY, TRAJECTORY_STEP
 
+from gyre_async.audit.run_fold import RunFold
 from gyre_async.bus import Bus
-from gyre_async.bus.reading import iter_topics
-from gyre_async.envs.macros import env_steps_of
+from gyre_async.bus.reading import read_events
 
 
-@dataclass
-class RunLog:
-    versions: list[PolicyVersion] = field(default_factory=list)
-    evals: list[EvalResult] = field(default_factory=list)
-    segments: list[SegmentClosed] = field(default_factory=list)
-    scored: list[Scored] = field(default_factory=list)
-    dropped: list[SegmentDropped] = field(default_factory=list)
-    heartbeats: list[Heartbeat] = field(default_factory=list)
-    steps: int = 0
-    step_first_ts: float = 0.0
-    step_last_ts: float = 0.0
-    episodes: int = 0
-    successes: int = 0
-
-
-async def load_runlog(bus: Bus, *, with_steps: bool = True) -> RunLog:
-    log = RunLog()
+async def load_runlog(bus: Bus, *, with_steps: bool = True) -> RunFold:
+    """The run's events folded (skipping and counting undecodable records)."""
+    fold = RunFold()
     topics = [POLICY_VERSION, EVAL, SEGMENT_CLOSED, SCORED, TELEMETRY]
     if with_steps:
         topics.append(TRAJECTORY_STEP)
     known = {t.name for t in await bus.topics()}
-    async for record in iter_topics(bus, [t for t in topics if t in known]):
-        try:
-            event = decode(record.topic, record.value, 1 << 40)
-        except DecodeError:
-            continue
-        match event:
-            case PolicyVersion():
-                log.versions.append(event)
-            case EvalResult():
-                log.evals.append(event)
-            case SegmentClosed():
-                log.segments.append(event)
-                if event.trajectory_done:
-                    log.episodes += 1
-                    log.successes += int(event.success)
-            case Scored():
-                log.scored.append(event)
-            case SegmentDropped():
-                log.dropped.append(event)
-            case Heartbeat():
-                log.heartbeats.append(event)
-            case TrajectoryStep():
-                log.steps += env_steps_of(event)  # primitive env steps (macros expand)
-                log.step_first_ts = min(log.step_first_ts or event.ts, event.ts)
-                log.step_last_ts = max(log.step_last_ts, event.ts)
-    log.versions.sort(key=lambda v: (v.ts, v.version))
-    log.evals.sort(key=lambda e: (e.policy_version, e.ts))
-    return log
+    async for record, event in read_events(bus, [t for t in topics if t in known],
+                                           on_bad="skip", counts=fold.read):
+        fold.apply(event, record.topic)
+    return fold
 
 
 async def current_policy_version(bus: Bus) -> PolicyVersion | None:
     """The policy in force: the last ``policy-version`` published (a rollback may lower it).
 
     The topic is keyed by one key, so it lives on one partition and log order is
-    publication order.
+    publication order. Actors call this on start (a rebuild): undecodable records are
+    skipped, as their live consumers dead-letter them.
     """
     latest = None
     known = {t.name for t in await bus.topics()}
     if POLICY_VERSION not in known:
         return None
-    async for record in iter_topics(bus, [POLICY_VERSION]):
-        try:
-            event = decode(POLICY_VERSION, record.value, 1 << 40)
-        except DecodeError:
-            continue
-        if latest is None or (event.ts, event.version) >= (latest.ts, latest.version):
+    async for _record, event in read_events(bus, [POLICY_VERSION], on_bad="skip"):
+        if isinstance(event, PolicyVersion) and \
+                (latest is None or (event.ts, event.version) >= (latest.ts, latest.version)):
             latest = event
     return latest
 
 
-def metrics_rows(log: RunLog) -> list[dict]:
+def metrics_rows(log: RunFold) -> list[dict]:
     """One JSON row per policy version and per evaluation (namespaced metric names)."""
     rows = []
     for v in log.versions:
@@ -107,13 +66,13 @@ def metrics_rows(log: RunLog) -> list[dict]:
     return rows
 
 
-def write_metrics(log: RunLog, path: str) -> None:
+def write_metrics(log: RunFold, path: str) -> None:
     with open(path, "w") as f:
         for row in metrics_rows(log):
             f.write(json.dumps(row) + "\n")
 
 
-def plot_learning_curve(log: RunLog, path: str, title: str = "Gyre learning curve") -> None:
+def plot_learning_curve(log: RunFold, path: str, title: str = "Gyre learning curve") -> None:
     """Validation success and score against policy version and trained env steps."""
     import matplotlib
 
@@ -149,11 +108,10 @@ def plot_learning_curve(log: RunLog, path: str, title: str = "Gyre learning curv
     plt.close(fig)
 
 
-def summarize(log: RunLog, wall_seconds: float) -> dict:
+def summarize(log: RunFold, wall_seconds: float) -> dict:
     first = log.evals[0] if log.evals else None
     last = log.evals[-1] if log.evals else None
     span = max(log.step_last_ts - log.step_first_ts, 1e-9)
-    staleness = [v.metrics.get("charts/max_staleness_seen", 0.0) for v in log.versions]
     return {
         "initial_success": first.success_rate if first else None,
         "final_success": last.success_rate if last else None,
@@ -164,11 +122,13 @@ def summarize(log: RunLog, wall_seconds: float) -> dict:
         "env_steps": log.steps,
         "env_steps_per_s": round(log.steps / span, 2),
         "policy_versions": max((v.version for v in log.versions), default=-1) + 1,
-        "episodes": log.episodes,
-        "train_success_rate": log.successes / log.episodes if log.episodes else None,
-        "segments": len(log.segments),
-        "dropped_stale_segments": len(log.dropped),
-        "max_staleness_trained": max(staleness, default=0.0),
+        "episodes": log.counts.episodes,
+        "train_success_rate": (log.counts.successes / log.counts.episodes
+                               if log.counts.episodes else None),
+        "segments": log.counts.segments,
+        "dropped_stale_segments": log.counts.dropped,
+        "max_staleness_trained": log.max_staleness_seen,
         "evals": [{"version": e.policy_version, "success": e.success_rate,
                    "score": e.mean_score} for e in log.evals],
+        "undecodable_records": log.read.skipped,
     }

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import structlog
@@ -84,11 +84,14 @@ class UndecodableRecord(Exception):
 
 @dataclass
 class ReadCounts:
-    """What a :func:`read_events` pass saw: decoded events and skipped (undecodable) records."""
+    """What a :func:`read_events` pass saw: decoded events and skipped (undecodable) records,
+    and how far it got: the next offset per (topic, partition), skipped records included (a
+    follower compares it with :func:`end_offsets` to know it has caught up)."""
 
     decoded: int = 0
     skipped: int = 0
     last_skip_reason: str = ""
+    next_offsets: dict[tuple[str, int], int] = field(default_factory=dict)
 
 
 async def read_events(
@@ -107,6 +110,7 @@ async def read_events(
     """
     seen = counts if counts is not None else ReadCounts()
     async for record in iter_topics(bus, topics, follow=follow):
+        seen.next_offsets[(record.topic, record.partition)] = record.offset + 1
         try:
             event = decode(record.topic, record.value, READ_BACK_MAX_BYTES)
         except DecodeError as exc:

@@ -11,6 +11,7 @@ from schemas import DecodeError, decode, to_builtins
 from schemas.topics import ALL_TOPICS
 
 from gyre_async.bus import open_bus
+from gyre_async.bus.reading import READ_BACK_MAX_BYTES
 from gyre_async.config import bus_url, load_config
 from gyre_async.errors import ConfigError, OutOfSpace
 from gyre_async.runtime.logs import configure_logging
@@ -208,6 +209,13 @@ def _parse_start(start: str) -> tuple[int | None, float | None]:
 
 
 async def _tail(url: str, args) -> int:
+    """Records of one topic as JSON lines, from an offset or a time.
+
+    Not :func:`~gyre_async.bus.reading.read_events`: the tail seeks (``--from``), and it is
+    a record viewer, so a record that does not decode is printed where it lies, with the
+    reason, instead of being skipped or stopping the tail. It decodes without the live
+    size limit, like every read-back.
+    """
     offset, timestamp = _parse_start(args.start)
     out = sys.stdout
     count = 0
@@ -232,8 +240,9 @@ async def _tail(url: str, args) -> int:
                 for r in records:
                     line = {"topic": r.topic, "partition": r.partition, "offset": r.offset,
                             "timestamp": r.timestamp}
-                    try:
-                        line["event"] = to_builtins(decode(r.topic, r.value, 1 << 40))
+                    try:  # a record viewer: a bad record is shown where it lies, with why
+                        line["event"] = to_builtins(decode(r.topic, r.value,
+                                                           READ_BACK_MAX_BYTES))
                     except DecodeError as exc:
                         line["undecodable"] = exc.reason
                     out.write(json.dumps(line, default=str) + "\n")

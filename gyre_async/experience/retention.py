@@ -33,7 +33,9 @@ can only audit what retention kept (leave ``retain_bytes = 0`` for a fully audit
 
 from __future__ import annotations
 
+import asyncio
 import os
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -41,11 +43,18 @@ import numpy as np
 import structlog
 
 from gyre_async.storage.urls import normalize_store_url
-from schemas import DecodeError, decode
 from schemas.events import PolicyVersion, SegmentDropped
 from schemas.topics import POLICY_VERSION, TELEMETRY
 
+from gyre_async.bus.reading import ReadCounts, end_offsets, read_events
+
 log = structlog.get_logger(__name__)
+
+#: the topics whose events say what the learner is done with
+CONSUMPTION_TOPICS = (POLICY_VERSION, TELEMETRY)
+#: ``Retention.follow`` stops waiting after this long without a new record (the follower
+#: polls every 0.2 s, so this is more than one empty poll)
+CAUGHT_UP_IDLE_S = 0.3
 
 
 class ConsumedSegments:
@@ -156,29 +165,49 @@ class Retention:
         self.bound = bound_bytes
         self.consumed = ConsumedSegments()
         self.stats = RetentionStats()
-        self._reader = None
+        self.read = ReadCounts()  # how far the consumption topics were folded
+        self._folding: asyncio.Task | None = None
 
     @property
     def enabled(self) -> bool:
         return self.bound > 0
 
     async def follow(self, bus) -> None:
-        """Fold every consumption event published so far (never waits for new ones)."""
+        """Fold every consumption event published so far (waits for those, not new ones).
+
+        A follower task folds the consumption topics as they grow (undecodable records
+        skipped and counted: the dead-letter path is the consumers' job, not ours); this
+        waits until it reached the end offsets seen now, or until it has found nothing new
+        for :data:`CAUGHT_UP_IDLE_S` (a partition whose records expired never reaches its
+        end offset).
+        """
         if not self.enabled:
             return
-        if self._reader is None:
-            self._reader = await bus.reader([POLICY_VERSION, TELEMETRY])
-        while records := await self._reader.fetch(5000, 0.05):
-            for record in records:
-                try:
-                    self.consumed.fold(decode(record.topic, record.value, 1 << 40))
-                except DecodeError:
-                    continue  # the dead-letter path is the consumers' job, not ours
+        if self._folding is None:
+            self._folding = asyncio.create_task(self._fold(bus), name="retention-fold")
+        targets = await end_offsets(bus, CONSUMPTION_TOPICS)
+        progress, idle_since = -1, time.monotonic()
+        while any(self.read.next_offsets.get(tp, 0) < end for tp, end in targets.items()):
+            if self._folding.done():
+                self._folding.result()  # the reader failed: the segmenter crashes loudly
+                return
+            seen = self.read.decoded + self.read.skipped
+            if seen != progress:
+                progress, idle_since = seen, time.monotonic()
+            elif time.monotonic() - idle_since > CAUGHT_UP_IDLE_S:
+                return
+            await asyncio.sleep(0.005)
+
+    async def _fold(self, bus) -> None:
+        async for _record, event in read_events(bus, CONSUMPTION_TOPICS, on_bad="skip",
+                                                follow=True, counts=self.read):
+            self.consumed.fold(event)
 
     async def close(self) -> None:
-        if self._reader is not None:
-            await self._reader.close()
-            self._reader = None
+        if self._folding is not None:
+            self._folding.cancel()
+            await asyncio.gather(self._folding, return_exceptions=True)
+            self._folding = None
 
     def make_room(self, incoming: int) -> None:
         """Delete consumed segments if writing ``incoming`` bytes would break the bound."""

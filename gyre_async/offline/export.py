@@ -15,12 +15,11 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
-from schemas import decode
 from schemas.config import Config
 from schemas.events import TrajectoryStep
 from schemas.topics import TRAJECTORY_STEP
 
-from gyre_async.bus.reading import iter_topics
+from gyre_async.bus.reading import read_events
 from gyre_async.offline.demonstrations import Demonstration, replay, write_demonstrations
 from gyre_async.envs import make_env
 from gyre_async.envs.text_games import TextGameEnv
@@ -35,8 +34,7 @@ async def successful_trajectories(cfg: Config, bus_override: str | None = None,
     async with open_run_bus(cfg, bus_override) as bus:
         known = {t.name for t in await bus.topics()}
         if TRAJECTORY_STEP in known:
-            async for record in iter_topics(bus, [TRAJECTORY_STEP]):
-                event = decode(TRAJECTORY_STEP, record.value, 1 << 40)
+            async for _record, event in read_events(bus, [TRAJECTORY_STEP], on_bad="skip"):
                 if isinstance(event, TrajectoryStep):
                     steps[event.trajectory_id][event.step_index] = event
     good = []

@@ -130,9 +130,10 @@ def weight_in_force(base_weight: float, accuracy: float, min_agreement: float,
 class DriftWatch:
     """When to re-check the model, and the weight in force (no bus; the arbiter drives it).
 
-    The schedule counts segments the arbiter handled, so a replay of the same inputs
-    checks at the same points; on restart the count and the weight are rebuilt from the
-    arbiter's own ``scored`` and ``drift-report`` events (:meth:`restore`).
+    The schedule counts segments the arbiter handled (the caller passes the count, the
+    number of segments with a verdict in its log), so a replay of the same inputs checks at
+    the same points; the weight in force is the latest ``drift-report``'s, folded by
+    :meth:`apply` on a restart and live alike.
     """
 
     def __init__(self, config: ArbiterConfig, prm: ProcessReward):
@@ -143,17 +144,18 @@ class DriftWatch:
         # read at start-up: a bad reference file fails when the arbiter starts, by name
         self.reference = read_reference(p.reference) if (p.reference and p.path) else None
         self.weight = p.weight
-        self.handled = 0
+        self.last_checked = -1  # segments_scored of the report the weight comes from
 
-    def restore(self, handled: int, last: DriftReport | None) -> None:
-        self.handled = handled
-        if last is not None:
-            self.weight = last.weight
+    def apply(self, report: DriftReport) -> None:
+        """Take the weight of a report no older than the one in force (reports are only
+        made, and only count, while a reference set is configured)."""
+        if self.reference is not None and report.segments_scored >= self.last_checked:
+            self.weight, self.last_checked = report.weight, report.segments_scored
 
-    def before_segment(self, run_id: str, producer: str) -> DriftReport | None:
-        """Call before scoring each segment: a report when a check was due (else None)."""
-        due = self.reference is not None and self.handled % self.config.check_every_segments == 0
-        self.handled += 1
+    def check(self, run_id: str, producer: str, handled: int) -> DriftReport | None:
+        """Call before scoring a segment, with the number of segments handled before it: a
+        report when a check is due (else None). The caller applies the report."""
+        due = self.reference is not None and handled % self.config.check_every_segments == 0
         if not due:
             return None
         try:
@@ -161,13 +163,13 @@ class DriftWatch:
         except Exception:  # noqa: BLE001 - the segment's prm component reports it as reward-failed
             return None
         found = agreement(model, self.reference)
-        self.weight, drifted = weight_in_force(self.config.weight, found.pairwise_accuracy,
-                                               self.config.min_agreement,
-                                               self.config.drifted_weight_factor)
+        weight, drifted = weight_in_force(self.config.weight, found.pairwise_accuracy,
+                                          self.config.min_agreement,
+                                          self.config.drifted_weight_factor)
         return DriftReport(
-            event_id=event_id("drift-report", run_id, producer, self.handled - 1),
+            event_id=event_id("drift-report", run_id, producer, handled),
             run_id=run_id, producer=producer, key="prm", model=self.config.path,
-            reference=self.config.reference, segments_scored=self.handled - 1,
+            reference=self.config.reference, segments_scored=handled,
             pairs=found.pairs, pairwise_accuracy=found.pairwise_accuracy,
             rank_correlation=found.rank_correlation, base_weight=self.config.weight,
-            weight=self.weight, drifted=drifted)
+            weight=weight, drifted=drifted)

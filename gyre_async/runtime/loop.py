@@ -19,12 +19,13 @@ import time
 import msgspec
 import structlog
 
-from schemas import decode, encode
+from schemas import encode
 from schemas.config import Config
-from schemas.events import EvalResult, Heartbeat, PolicyVersion, SegmentClosed
+from schemas.events import EvalResult
 from schemas.topics import ALL_TOPICS, EVAL, POLICY_VERSION, SEGMENT_CLOSED, TELEMETRY
 
 from gyre_async.runtime.actor import ActorRunner
+from gyre_async.audit.run_fold import RunFold
 from gyre_async.bus.reading import read_events
 from gyre_async.core.evaluation import Evaluation, eval_trigger
 from gyre_async.audit.runlog import current_policy_version, load_runlog, plot_learning_curve, summarize, write_metrics
@@ -37,52 +38,30 @@ log = structlog.get_logger(__name__)
 
 
 class Progress:
-    """Live numbers from the bus: episodes, success, return, staleness, steps/s."""
+    """Live numbers from the bus (the run's :class:`RunFold`, kept bounded): episodes,
+    success, staleness, steps/s, the latest evaluation."""
 
     def __init__(self, enabled: bool):
         self.enabled = enabled
         self.started = time.monotonic()
-        self.episodes = self.successes = self.steps = 0
-        self.version = -1
-        self.staleness = 0.0
-        self.last_eval: EvalResult | None = None
-        self.first_eval: EvalResult | None = None
-        self.final_version = -1
-        self.evaluated: set[int] = set()
-        self.recent: list[float] = []
+        self.run = RunFold(keep_records=False)
         self._live = None
-
-    def fold(self, event) -> None:
-        match event:
-            case SegmentClosed():
-                self.steps += event.env_steps or (event.step_end - event.step_start)
-                if event.trajectory_done:
-                    self.episodes += 1
-                    self.successes += int(event.success)
-                    self.recent = (self.recent + [float(event.success)])[-100:]
-            case PolicyVersion():
-                self.version = max(self.version, event.version)
-                self.staleness = event.metrics.get("charts/max_staleness_seen", self.staleness)
-                if event.metrics.get("final", 0.0) > 0:
-                    self.final_version = event.version
-            case EvalResult():
-                self.first_eval = self.first_eval or event
-                self.last_eval = event
-                self.evaluated.add(event.policy_version)
-            case Heartbeat():
-                pass
 
     @property
     def final_eval_seen(self) -> bool:
-        return self.final_version >= 0 and self.final_version in self.evaluated
+        final = self.run.final_version
+        return final >= 0 and final in self.run.evaluated
 
     def line(self) -> str:
         elapsed = time.monotonic() - self.started
-        ev = self.last_eval
-        recent = sum(self.recent) / len(self.recent) if self.recent else 0.0
-        return (f"[{elapsed:6.0f}s] v{self.version:<3d} episodes {self.episodes:<5d} "
-                f"train success(100) {recent:5.1%}  steps {self.steps:<7d} "
-                f"{self.steps / max(elapsed, 1e-9):6.0f} steps/s  staleness {self.staleness:.0f}  "
+        run = self.run
+        ev = run.newest_eval
+        recent = run.train_success or 0.0
+        steps = run.segment_env_steps
+        return (f"[{elapsed:6.0f}s] v{run.max_version:<3d} episodes {run.counts.episodes:<5d} "
+                f"train success(100) {recent:5.1%}  steps {steps:<7d} "
+                f"{steps / max(elapsed, 1e-9):6.0f} steps/s  staleness "
+                f"{run.learner_staleness:.0f}  "
                 + (f"val success {ev.success_rate:5.1%} (v{ev.policy_version})" if ev else ""))
 
     def start(self) -> None:
@@ -105,30 +84,39 @@ class Progress:
                 self._live.console.line()  # rich ends the line only on a terminal
 
 
+async def _fold_into(bus, progress: Progress) -> None:
+    async for record, event in read_events(bus, [SEGMENT_CLOSED, POLICY_VERSION, EVAL, TELEMETRY],
+                                           on_bad="skip", follow=True, counts=progress.run.read):
+        progress.run.apply(event, record.topic)
+
+
 async def _watch(bus, progress: Progress, stop: asyncio.Event, cfg: Config) -> None:
-    reader = await bus.reader([SEGMENT_CLOSED, POLICY_VERSION, EVAL, TELEMETRY])
+    folding = asyncio.create_task(_fold_into(bus, progress))
     last_print = 0.0
     try:
         while not stop.is_set():
-            for record in await reader.fetch(2000, 0.25):
-                progress.fold(decode(record.topic, record.value, 1 << 40))
+            await asyncio.wait([folding], timeout=0.25)
+            if folding.done():
+                folding.result()  # the reader failed: surface it
             progress.refresh()
             now = time.monotonic()
             if not progress.enabled and now - last_print > 10:
                 last_print = now
                 log.info("progress", line=progress.line())
             L = cfg.loop
+            newest_eval = progress.run.newest_eval
             if progress.final_eval_seen:
                 stop.set()
-            elif L.target_success and progress.last_eval and \
-                    progress.last_eval.success_rate >= L.target_success:
+            elif L.target_success and newest_eval and \
+                    newest_eval.success_rate >= L.target_success:
                 stop.set()
-            elif L.max_env_steps and progress.steps >= L.max_env_steps:
+            elif L.max_env_steps and progress.run.segment_env_steps >= L.max_env_steps:
                 stop.set()
             elif L.max_wall_s and now - progress.started >= L.max_wall_s:
                 stop.set()
     finally:
-        await reader.close()
+        folding.cancel()
+        await asyncio.gather(folding, return_exceptions=True)
 
 
 async def _final_evaluation(cfg: Config, bus, progress: Progress) -> None:
@@ -138,7 +126,8 @@ async def _final_evaluation(cfg: Config, bus, progress: Progress) -> None:
     for the policy it actually produced, published like any other ``eval`` event.
     """
     latest = await current_policy_version(bus)
-    evaluated = {event.policy_version async for _, event in read_events(bus, [EVAL])
+    evaluated = {event.policy_version
+                 async for _record, event in read_events(bus, [EVAL], on_bad="skip")
                  if isinstance(event, EvalResult)}
     if latest is None or latest.version in evaluated:
         return

@@ -62,21 +62,22 @@ def _kv(rows: list[tuple[str, object]]) -> Table:
 
 def _policy(s: MonitorState) -> Panel:
     cur = s.current
-    last_rb = s.rollbacks[-1] if s.rollbacks else None
+    rollbacks = s.rollbacks
+    last_rb = rollbacks[-1] if rollbacks else None
     ev = s.latest_eval
     lines = [
         Text(f"policy v{cur.version} ({cur.reason})  max v{s.max_version}" if cur
              else "policy -", style="bold"),
-        Text(f"versions {s.versions}  updates {s.updates}  rollbacks {len(s.rollbacks)}",
-             style="bold red" if s.rollbacks else ""),
+        Text(f"versions {len(s.versions)}  updates {s.counts.updates}  rollbacks "
+             f"{len(rollbacks)}", style="bold red" if rollbacks else ""),
         Text(f"trained on {cur.env_steps if cur else 0} env steps"
              + (f"  lr {cur.learning_rate:.2g}" if cur else "")),
         Text(f"val success {ev.success_rate:.1%} (v{ev.policy_version})  score "
              f"{ev.mean_score:.3f}  {len(s.evals)} evals" if ev else "val success -"),
     ]
     if last_rb:
-        lines.append(Text(f"latest rollback -> v{last_rb[1]} (from v{last_rb[2]}) at "
-                          f"{_clock(last_rb[0])}", style="bold red"))
+        lines.append(Text(f"latest rollback -> v{last_rb.version} (from v{last_rb.parent}) at "
+                          f"{_clock(last_rb.ts)}", style="bold red"))
     if s.critic_resets:
         cr = max(s.critic_resets, key=lambda e: e.ts)
         lines.append(Text(f"critic resets {len(s.critic_resets)}: latest at v{cr.version} "
@@ -88,7 +89,7 @@ def _policy(s: MonitorState) -> Panel:
 
 
 def _curves(s: MonitorState) -> Panel:
-    evals = s.eval_curve()
+    evals = s.evals
     ok = s.train_success
     returns = list(s.returns)[-100:]
     rows = [
@@ -99,7 +100,7 @@ def _curves(s: MonitorState) -> Panel:
         ("train success", Text.assemble(
             sparkline(s.train_curve, 0.0, 1.0),
             f"  {ok:.1%} (last 100)" if ok is not None else "")),
-        ("", f"episodes {s.episodes}  successes {s.successes}"),
+        ("", f"episodes {s.counts.episodes}  successes {s.counts.successes}"),
         ("episode return", Text.assemble(
             sparkline(s.returns),
             f"  mean {sum(returns) / len(returns):.3f} (last {len(returns)})" if returns else "")),
@@ -113,8 +114,9 @@ def _throughput(s: MonitorState) -> Panel:
     rates = s.role_rates()
     roles = _kv([(role, f"{_rate(rates[role])} inputs processed") for role in sorted(rates)])
     kinds = ", ".join(f"{k} {n}" for k, n in s.env_error_kinds.most_common())
-    tail = [Text(f"env errors {s.env_errors}" + (f" ({kinds})" if kinds else "")),
-            Text(f"segments {s.segments} closed  {s.scored} scored  {s.dropped} dropped")]
+    tail = [Text(f"env errors {s.counts.env_errors}" + (f" ({kinds})" if kinds else "")),
+            Text(f"segments {s.counts.segments} closed  {s.counts.scored} scored  "
+                 f"{s.counts.dropped} dropped")]
     return Panel(Group(head, roles, *tail), title="throughput (roles: heartbeat deltas)",
                  border_style="magenta")
 
@@ -145,9 +147,10 @@ def _rewards(s: MonitorState) -> Panel:
         t.add_column(name, justify="right")
     for name, (n, total) in sorted(s.components.items()):
         t.add_row(name, str(int(n)), f"{total:.3f}", f"{total / n:.3f}" if n else "-")
-    t.add_row(Text("total", style="bold"), str(s.scored), f"{s.total_reward:.3f}",
-              f"{s.total_reward / s.scored:.3f}" if s.scored else "-")
-    notes = _kv([("reward failed", str(s.reward_failed)),
+    scored = s.counts.scored
+    t.add_row(Text("total", style="bold"), str(scored), f"{s.total_reward:.3f}",
+              f"{s.total_reward / scored:.3f}" if scored else "-")
+    notes = _kv([("reward failed", str(s.counts.reward_failed)),
                  ("reward-model agreement", "n/a (no drift-report events)")])
     return Panel(Group(t, notes), title="reward components", border_style="cyan")
 
@@ -163,14 +166,15 @@ def _staleness(s: MonitorState) -> Panel:
         t.add_row(str(k), "█" * max(1, round(20 * n / peak)), str(n))
     dropped = ", ".join(f"{k}: {n}" for k, n in sorted(s.dropped_hist.items()))
     info = _kv([("learner max", f"latest {s.learner_staleness:.0f}  max {s.max_staleness_seen:.0f}"),
-                ("dropped", f"{s.dropped}" + (f" (staleness {dropped})" if dropped else ""))])
+                ("dropped", f"{s.counts.dropped}"
+                 + (f" (staleness {dropped})" if dropped else ""))])
     return Panel(Group(Text("trained segments by staleness (versions)", style="dim"), t, info),
                  title="staleness", border_style="red")
 
 
 def _dead(s: MonitorState) -> Panel:
-    rows: list = [Text(f"dead letters {s.dead_letters}",
-                       style="bold red" if s.dead_letters else "bold")]
+    dead = s.counts.dead_letters
+    rows: list = [Text(f"dead letters {dead}", style="bold red" if dead else "bold")]
     for d in reversed(s.latest_dead):
         rows.append(Text(f"{_clock(d.ts)} {d.actor} <- {d.source_topic}: {d.reason}"[:200],
                          overflow="fold"))
@@ -196,8 +200,9 @@ def render(state: MonitorState, *, url: str | None = None, mode: str | None = No
     grid.add_row(_throughput(s), _actors(s))
     grid.add_row(_rewards(s), Group(_staleness(s), _dead(s)))
     topics = " ".join(f"{t}:{n}" for t, n in sorted(s.by_topic.items()))
-    foot = Text(f"events read {s.events}  undecodable {s.undecodable}  other runs "
-                f"{s.skipped}  |  {topics}", style="dim", overflow="fold")
+    foot = Text(f"events read {s.counts.events}  undecodable {s.read.skipped} (skipped)  "
+                f"duplicates {s.counts.duplicates}  other runs {s.counts.other_runs}  |  "
+                f"{topics}", style="dim", overflow="fold")
     return Group(head, grid, foot)
 
 

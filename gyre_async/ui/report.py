@@ -2,6 +2,8 @@
 
 Everything comes from the recorded events (plus ``config.json`` and ``summary.json`` of the
 run directory), so a finished run, a live one and a Kafka archive (``--bus``) report alike.
+The events are folded by :class:`~gyre_async.audit.run_fold.RunFold`, as for the monitor and
+``summary.json``, so the three agree; undecodable records are skipped and counted.
 The figures (``report_plots.py``) are PNGs embedded as base64 data URIs: the page needs no
 network and no other file. The PNGs are also written to ``<run_dir>/report/``.
 """
@@ -17,65 +19,30 @@ import json
 import os
 import sys
 from collections import Counter
-from dataclasses import dataclass, field
 from functools import cached_property
 
-import msgspec
+from schemas.topics import ALL_TOPICS, DEAD_LETTER, PROBE_IN, PROBE_OUT
 
-from schemas import DecodeError, decode
-from schemas.events import (
-    DeadLetter,
-    EnvError,
-    EvalResult,
-    PolicyVersion,
-    RewardFailed,
-    Scored,
-    SegmentClosed,
-    SegmentDropped,
-)
-from schemas.topics import ALL_TOPICS, DEAD_LETTER, PROBE_IN, PROBE_OUT, TRAJECTORY_STEP
-
+from gyre_async.audit.run_fold import RunFold
+from gyre_async.audit.runlog import summarize
 from gyre_async.bus import open_bus
-from gyre_async.bus.reading import iter_topics
-from gyre_async.audit.runlog import RunLog, summarize
+from gyre_async.bus.reading import read_events
 
 READ_TOPICS = tuple(t for t in ALL_TOPICS if t not in (PROBE_IN, PROBE_OUT))
 
 
-class _StepStamp(msgspec.Struct):
-    """Just the fields of a trajectory-step the report needs (skips the token lists)."""
+class ReportData(RunFold):
+    """The run's fold (every record kept: the figures need them) and the run directory's
+    files; undecodable records are skipped and counted (``read.skipped``, under health)."""
 
-    type: str = ""
-    ts: float = 0.0
-
-
-_stamp_decoder = msgspec.msgpack.Decoder(_StepStamp)
-
-
-@dataclass
-class ReportData:
-    run_dir: str
-    bus_url: str | None = None
-    versions: list[PolicyVersion] = field(default_factory=list)
-    evals: list[EvalResult] = field(default_factory=list)
-    segments: list[SegmentClosed] = field(default_factory=list)
-    scored: list[Scored] = field(default_factory=list)
-    reward_failed: list[RewardFailed] = field(default_factory=list)
-    dropped: list[SegmentDropped] = field(default_factory=list)
-    env_errors: list[EnvError] = field(default_factory=list)
-    dead_letters: list[tuple[float, str, str, str, int]] = field(default_factory=list)
-    step_ts: list[float] = field(default_factory=list)
-    topic_counts: dict[str, int] = field(default_factory=dict)
-    undecodable: Counter = field(default_factory=Counter)
-    duplicates: int = 0
-    config: dict | None = None
-    summary: dict | None = None
-    problems: list[str] = field(default_factory=list)
-    _seen: set[tuple[str, str]] = field(default_factory=set, repr=False)
-
-    @property
-    def rollbacks(self) -> list[PolicyVersion]:
-        return [v for v in self.versions if v.reason == "rollback"]
+    def __init__(self, run_dir: str, bus_url: str | None = None):
+        super().__init__(keep_records=True)
+        self.run_dir = run_dir
+        self.bus_url = bus_url
+        self.topic_counts: dict[str, int] = {}
+        self.config: dict | None = None
+        self.summary: dict | None = None
+        self.problems: list[str] = []
 
     @cached_property
     def t0(self) -> float:
@@ -88,49 +55,11 @@ class ReportData:
 
     @property
     def max_staleness(self) -> int | None:
+        loop = (self.config or {}).get("loop") or {}
         try:
-            return int(self.config["loop"]["max_staleness"])  # type: ignore[index]
+            return int(loop["max_staleness"])
         except (TypeError, KeyError, ValueError):
             return None
-
-    def fold(self, topic: str, value: bytes) -> None:
-        if topic == TRAJECTORY_STEP:  # the bulk of the log: read two fields, no tokens
-            try:
-                stamp = _stamp_decoder.decode(value)
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                self.undecodable[topic] += 1
-                return
-            if stamp.type != "env-error":
-                self.step_ts.append(stamp.ts)
-                return
-        try:
-            event = decode(topic, value, 1 << 40)
-        except DecodeError:
-            self.undecodable[topic] += 1
-            return
-        if (topic, event.event_id) in self._seen:  # at-least-once delivery: count once
-            self.duplicates += 1
-            return
-        self._seen.add((topic, event.event_id))
-        if isinstance(event, DeadLetter):
-            where = f"{event.source_topic}[{event.source_partition}]@{event.source_offset}"
-            self.dead_letters.append((event.ts, event.actor, where, event.reason,
-                                      len(event.original)))
-            return
-        kept = {PolicyVersion: self.versions, EvalResult: self.evals, Scored: self.scored,
-                SegmentClosed: self.segments, RewardFailed: self.reward_failed,
-                SegmentDropped: self.dropped, EnvError: self.env_errors}.get(type(event))
-        if kept is not None:
-            kept.append(event)
-
-    def finish(self) -> None:
-        self.versions.sort(key=lambda v: (v.ts, v.version))
-        self.evals.sort(key=lambda e: (e.policy_version, e.ts))
-        for xs in (self.segments, self.scored, self.dropped):
-            xs.sort(key=lambda x: x.ts)
-        self.dead_letters.sort()
-        self.step_ts.sort()
-        self._seen.clear()
 
 
 def _read_json(path: str, problems: list[str]) -> dict | None:
@@ -154,16 +83,14 @@ async def load_report_data(run_dir: str, bus: str | None = None) -> ReportData:
                   ((d.config or {}).get("bus") or {}).get("url"))
     if not url:  # never create an empty log in someone's run directory
         d.problems.append(f"no event log at {db} (use --bus URL to read another log)")
-        d.finish()
         return d
     d.bus_url = url
     async with open_bus(url) as log:
         d.topic_counts = {t.name: sum(t.end_offsets.values()) for t in await log.topics()}
         wanted = [t for t in READ_TOPICS if d.topic_counts.get(t)]
         if wanted:
-            async for record in iter_topics(log, wanted):
-                d.fold(record.topic, record.value)
-    d.finish()
+            async for record, event in read_events(log, wanted, on_bad="skip", counts=d.read):
+                d.apply(event, record.topic)
     return d
 
 
@@ -171,15 +98,9 @@ def summary_of(d: ReportData) -> tuple[dict, str]:
     """summary.json if the run wrote one, else the same summary computed from the log."""
     if d.summary is not None:
         return d.summary, "summary.json (written at the end of the run)"
-    episodes = [s for s in d.segments if s.trajectory_done]
-    log = RunLog(versions=d.versions, evals=d.evals, segments=d.segments, scored=d.scored,
-                 dropped=d.dropped, steps=len(d.step_ts),
-                 step_first_ts=d.step_ts[0] if d.step_ts else 0.0,
-                 step_last_ts=d.step_ts[-1] if d.step_ts else 0.0, episodes=len(episodes),
-                 successes=sum(s.success for s in episodes))
     last = max([x.ts for xs in (d.versions, d.evals, d.segments) for x in xs] + d.step_ts[-1:],
                default=d.t0)
-    return summarize(log, last - d.t0), "computed from the event log (no summary.json)"
+    return summarize(d, last - d.t0), "computed from the event log (no summary.json)"
 
 
 def _e(x: object) -> str:
@@ -246,7 +167,7 @@ def _cards(s: dict, d: ReportData) -> str:
         (_fmt(s.get("episodes")), f"episodes ({_pct(s.get('train_success_rate'))} success)"),
         (_fmt(stale), f"stale drops (+{len(d.dropped) - stale} other drops)"),
         (_fmt(len(d.rollbacks)), "rollbacks"),
-        (_fmt(len(d.dead_letters)), "dead letters"),
+        (_fmt(d.counts.dead_letters), "dead letters"),
     ]
     return '<div class="cards">' + "".join(
         f'<div class="card"><div class="v">{_e(v)}</div><div class="k">{_e(k)}</div></div>'
@@ -271,11 +192,11 @@ def _health_html(d: ReportData) -> str:
                                                            sorted(drops.items()))],
             ["rollbacks", len(d.rollbacks), ", ".join(f"v{v.version} at {_when(v.ts)}"
                                                       for v in d.rollbacks)],
-            ["env errors", len(d.env_errors), ", ".join(f"{k}: {n}" for k, n in Counter(
-                e.kind for e in d.env_errors).most_common())],
-            ["reward failures", len(d.reward_failed), ""],
-            ["undecodable records", sum(d.undecodable.values()), _fmt(dict(d.undecodable) or "")],
-            ["duplicate deliveries (ignored)", d.duplicates, ""]]
+            ["env errors", d.counts.env_errors, ", ".join(
+                f"{k}: {n}" for k, n in d.env_error_kinds.most_common())],
+            ["reward failures", d.counts.reward_failed, ""],
+            ["undecodable records (skipped)", d.read.skipped, d.read.last_skip_reason],
+            ["duplicate deliveries (ignored)", d.counts.duplicates, ""]]
     return _table(["what", "count", "detail"], rows)
 
 
@@ -283,15 +204,16 @@ def _dead_letters_html(d: ReportData) -> str:
     if not d.dead_letters:
         return ('<p>0 dead letters — every input was usable.</p>'
                 if DEAD_LETTER in d.topic_counts else _nodata("no dead-letter topic"))
-    by = Counter((actor, where.split("[")[0]) for _, actor, where, _, _ in d.dead_letters)
+    by = Counter((e.actor, e.source_topic) for e in d.dead_letters)
     out = f"<p><b>{len(d.dead_letters)}</b> dead letter(s).</p>"
     out += _table(["actor", "source topic", "count"],
                   [[a, t, n] for (a, t), n in by.most_common()])
     latest = d.dead_letters[-10:][::-1]
     out += "<p class='cap'>Latest reasons:</p>" + _table(
         ["time", "actor", "source", "reason", "bytes"],
-        [[_when(ts), a, w, r if len(r) < 400 else r[:400] + " …", n]
-         for ts, a, w, r, n in latest])
+        [[_when(e.ts), e.actor, f"{e.source_topic}[{e.source_partition}]@{e.source_offset}",
+          e.reason if len(e.reason) < 400 else e.reason[:400] + " …", len(e.original)]
+         for e in latest])
     return out
 
 

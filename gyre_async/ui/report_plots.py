@@ -172,14 +172,9 @@ def reward_components(d: ReportData) -> bytes | None:
 
 
 def staleness_values(d: ReportData) -> list[int]:
-    """Learner version at training minus segment min_policy_version, per trained segment."""
-    seg = {s.segment_id: s for s in d.segments}
-    out = []
-    for v in d.versions:
-        learner_version = v.parent if v.parent is not None else v.version - 1
-        out += [learner_version - seg[sid].min_policy_version
-                for sid in v.trained_segments if sid in seg]
-    return out
+    """Learner version at training minus segment min_policy_version, per trained segment
+    (the fold's join of policy-version.trained_segments with segment-closed)."""
+    return [k for k, n in sorted(d.staleness_hist.items()) for _ in range(n)]
 
 
 def staleness(d: ReportData) -> bytes | None:

@@ -39,10 +39,9 @@ from pathlib import Path
 import msgspec
 
 from gyre_async.bus import open_bus
-from gyre_async.bus.reading import iter_topics
+from gyre_async.bus.reading import read_events
 from gyre_async.config import load_config
 from gyre_async.runtime.loop import run_loop
-from schemas import decode
 from schemas.events import EvalResult, PolicyVersion, TrajectoryStep
 from schemas.topics import EVAL, POLICY_VERSION, TRAJECTORY_STEP
 
@@ -81,8 +80,9 @@ async def curve(run_dir: str) -> list[tuple[int, float, int]]:
     published: dict[int, float] = {}
     evals: list[EvalResult] = []
     async with open_bus(f"sqlite:///{os.path.abspath(run_dir)}/events.db") as bus:
-        async for record in iter_topics(bus, [TRAJECTORY_STEP, POLICY_VERSION, EVAL]):
-            event = decode(record.topic, record.value, 1 << 40)
+        # a measurement: a log that does not read back in full stops it (raise)
+        async for _record, event in read_events(bus, [TRAJECTORY_STEP, POLICY_VERSION, EVAL],
+                                                on_bad="raise"):
             match event:
                 case TrajectoryStep():
                     step_ts.append(event.ts)

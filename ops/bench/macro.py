@@ -32,11 +32,10 @@ from pathlib import Path
 import msgspec
 
 from gyre_async.bus import open_bus
-from gyre_async.bus.reading import iter_topics
+from gyre_async.bus.reading import read_events
 from gyre_async.config import bus_url, load_config
 from gyre_async.envs.macros import env_steps_of
 from gyre_async.runtime.loop import run_loop
-from schemas import decode
 from schemas.events import EvalResult, TrajectoryStep
 from schemas.topics import EVAL, TRAJECTORY_STEP
 
@@ -59,8 +58,8 @@ async def measure(cfg) -> dict:
     evals: list[EvalResult] = []
     steps: list[tuple[int, int]] = []  # (policy version, primitive env steps)
     async with open_bus(bus_url(cfg)) as bus:
-        async for record in iter_topics(bus, [EVAL, TRAJECTORY_STEP]):
-            event = decode(record.topic, record.value, 1 << 40)
+        # a measurement: a log that does not read back in full stops it (raise)
+        async for _record, event in read_events(bus, [EVAL, TRAJECTORY_STEP], on_bad="raise"):
             match event:
                 case EvalResult():
                     evals.append(event)

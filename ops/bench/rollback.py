@@ -25,14 +25,11 @@ import asyncio
 import json
 import tempfile
 
-import msgspec
-
 from gyre_async.bus import open_bus
-from gyre_async.bus.reading import read_topics
+from gyre_async.bus.reading import read_events
 from gyre_async.core.keeper_rules import judge
 from gyre_async.runtime.loop import run_loop
 from gyre_async.runtime.topology import RUN_ROLES
-from schemas import decode
 from schemas.config import (
     Config, EvaluatorConfig, KeeperConfig, LearnerConfig, LoopSection, PolicySection,
     RunSection, SamplerConfig, SegmenterConfig, TaskSection,
@@ -63,9 +60,10 @@ def drill_config(run_dir: str, name: str, versions: int, poison_at: int, factor:
 async def read_log(run_dir: str):
     async with open_bus(f"sqlite:///{run_dir}/events.db") as bus:
         known = {t.name for t in await bus.topics()}
-        records = await read_topics(bus, [t for t in (POLICY_VERSION, EVAL, KEEPER)
-                                          if t in known])
-    return sorted((decode(r.topic, r.value, 1 << 40) for r in records), key=lambda e: e.ts)
+        # a measurement: a log that does not read back in full stops it (raise)
+        events = [e async for _, e in read_events(
+            bus, [t for t in (POLICY_VERSION, EVAL, KEEPER) if t in known], on_bad="raise")]
+    return sorted(events, key=lambda e: e.ts)
 
 
 def run(cfg: Config, roles: tuple[str, ...]) -> list:

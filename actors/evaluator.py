@@ -29,7 +29,7 @@ from gyre_async.envs import make_env
 from gyre_async.envs.macros import with_macros
 from gyre_async.policy.base import SamplingParams
 from gyre_async.policy.context import ContextBuilder
-from gyre_async.policy.factory import build_policy, build_tokenizer
+from gyre_async.compose import build_policy, build_tokenizer
 from gyre_async.core.rollout import ActionBatcher, PolicyHolder, run_episode
 from schemas import decode, event_id
 from schemas.config import Config

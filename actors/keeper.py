@@ -43,7 +43,7 @@ from gyre_async.runtime.actor import Actor, Emit
 from gyre_async.bus.reading import iter_topics
 from gyre_async.core.keeper_rules import is_better, judge
 from gyre_async.core.keeper_slots import Fault, Kept, KeptSlots
-from gyre_async.policy.factory import build_policy, build_tokenizer
+from gyre_async.compose import build_policy, build_tokenizer
 from gyre_async.rl.policy_distance import (
     policy_kl,
     probe_contexts,

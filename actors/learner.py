@@ -37,7 +37,7 @@ from gyre_async.audit.credit_log import restore_outcome_book
 from gyre_async.experience.elite import offer_trained, open_elite_pool, sample_for
 from gyre_async.audit.redelivery import recently_trained
 from gyre_async.audit.runlog import current_policy_version
-from gyre_async.policy.factory import build_policy, build_tokenizer, load_weights, save_weights
+from gyre_async.compose import build_policy, build_tokenizer, load_weights, save_weights
 from gyre_async.rl.advantages import segment_gae
 from gyre_async.rl.critic import CriticGuard, complete_returns
 from gyre_async.rl.finite import NonFiniteBatch, check_batch_finite, check_loss_finite

@@ -25,7 +25,7 @@ from gyre_async.bus.reading import iter_topics
 from gyre_async.audit.runlog import current_policy_version
 from gyre_async.envs import make_env
 from gyre_async.envs.macros import step_fields, with_macros
-from gyre_async.policy.factory import build_acting_policy, build_tokenizer
+from gyre_async.compose import build_acting_policy, build_tokenizer
 from gyre_async.policy.context import ContextBuilder
 from gyre_async.rl.exploration import exploration_stats, make_holder, sampling_params_at
 from gyre_async.rl.staleness import StalenessGate

@@ -20,11 +20,11 @@ from gyre_async.policy import (
     TorchPolicy,
     WordTokenizer,
     summarize_milestones,
-    tokenizer_for_env,
+    tokenizer_for_vocabulary,
     tokenizer_from_json,
 )
 
-TOK = tokenizer_for_env("workshop")
+TOK = tokenizer_for_vocabulary(VOCAB)  # the workshop's words (the composition root's choice)
 
 
 def make_policy(seed: int = 0, restrict: bool = True, **overrides) -> TorchPolicy:
@@ -69,7 +69,7 @@ def test_word_tokenizer_round_trip_and_json():
 
 
 def test_byte_tokenizer_round_trip():
-    tok = tokenizer_for_env("gym:Anything-v0")
+    tok = tokenizer_for_vocabulary([])  # an environment that cannot list its words
     assert isinstance(tok, ByteTokenizer) and tok.vocab_size == 8 + 256
     text = "naïve café: 42 ✓"
     ids = tok.encode(text)

@@ -154,7 +154,7 @@ async def replay_learner(recorded: Bus, cfg: Config) -> ReplayReport:
     from actors.learner import Buffered, prepare_batch
 
     from gyre_async.audit.credit_log import read_credit_log, replay_outcome_book
-    from gyre_async.policy.factory import build_policy, load_weights
+    from gyre_async.compose import build_policy, load_weights
     from gyre_async.rl.fusion import OutcomeBook
     from gyre_async.storage.segments import SegmentNotFound, SegmentStore
     from schemas.events import PolicyVersion

@@ -71,3 +71,9 @@ def test_guide_environment(tmp_path, monkeypatch, fresh_modules):
     ns = run_guide("guide-environment.md", tmp_path, monkeypatch)
     assert ns["summary"]["policy_versions"] >= 3
     assert (tmp_path / "runs" / "buttons" / "summary.json").exists()
+
+
+def test_guide_reward(tmp_path, monkeypatch, fresh_modules):
+    ns = run_guide("guide-reward.md", tmp_path, monkeypatch)
+    assert ns["good"].decided_by != "guard" and ns["good"].total > 0
+    assert any("violet" in reason for reason in ns["bad"].guard_reasons)

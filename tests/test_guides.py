@@ -77,3 +77,9 @@ def test_guide_reward(tmp_path, monkeypatch, fresh_modules):
     ns = run_guide("guide-reward.md", tmp_path, monkeypatch)
     assert ns["good"].decided_by != "guard" and ns["good"].total > 0
     assert any("violet" in reason for reason in ns["bad"].guard_reasons)
+
+
+def test_guide_hf_model(tmp_path, monkeypatch, fresh_modules):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # nothing may be downloaded
+    ns = run_guide("guide-hf-model.md", tmp_path, monkeypatch)
+    assert ns["action"].tokens and ns["out"].values.shape == (1,)

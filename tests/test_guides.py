@@ -83,3 +83,10 @@ def test_guide_hf_model(tmp_path, monkeypatch, fresh_modules):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # nothing may be downloaded
     ns = run_guide("guide-hf-model.md", tmp_path, monkeypatch)
     assert ns["action"].tokens and ns["out"].values.shape == (1,)
+
+
+@pytest.mark.kafka
+def test_guide_kafka(tmp_path, monkeypatch, fresh_modules, noida):
+    monkeypatch.setenv("GYRE_BUS", f"kafka://{noida}")
+    ns = run_guide("guide-kafka.md", tmp_path, monkeypatch)
+    assert ns["summary"]["policy_versions"] >= 2

@@ -17,9 +17,13 @@ import random
 import gymnasium as gym  # a test dependency: missing it must fail, not skip
 import msgspec
 
-from gyre_async.config import load_config
+from gyre_async.bus import open_bus
+from gyre_async.bus.reading import read_events
+from gyre_async.config import bus_url, load_config
 from gyre_async.envs import env_vocabulary, make_env
 from gyre_async.runtime.loop import run_loop
+from schemas.events import TrajectoryStep
+from schemas.topics import TRAJECTORY_STEP
 
 FRUITS = ("cherry", "tangerine", "banana", "lime", "blueberry", "plum", "grape")
 COLOURS = ("red", "orange", "yellow", "green", "blue", "indigo", "violet")
@@ -68,6 +72,7 @@ target_success = 0.9
 
 [task]
 env = "{ENV_NAME}"
+eval_seed_start = 20_000_000   # training seeds are below 10_000_000: validation never trains
 env_config = {{ admissible = "snap" }}
 
 [policy]
@@ -124,6 +129,17 @@ def random_baseline(seeds) -> float:
     return asyncio.run(play())
 
 
+def written_actions(cfg) -> list[str]:
+    """The action text of every step the sampler published."""
+    async def read():
+        async with open_bus(bus_url(cfg)) as bus:
+            return [event.action_text async for _, event in
+                    read_events(bus, [TRAJECTORY_STEP], on_bad="raise")
+                    if isinstance(event, TrajectoryStep)]
+
+    return asyncio.run(read())
+
+
 def test_own_gym_env_configured_in_toml_learns(tmp_path):
     path = tmp_path / "own.toml"
     path.write_text(CONFIG.replace("{run_dir}", str(tmp_path / "run")))
@@ -134,3 +150,7 @@ def test_own_gym_env_configured_in_toml_learns(tmp_path):
     baseline = random_baseline(seeds)
     assert baseline < 0.35  # one of seven
     assert summary["final_success"] >= baseline + 0.4, (summary, evals[-3:])
+    # the policy wrote the environment's words only (not bytes like "+;\x1ca")
+    actions = written_actions(cfg)
+    assert actions and all(set(text.split()) <= set(COLOURS) for text in actions)
+    assert sum(text in COLOURS for text in actions) >= 0.9 * len(actions)

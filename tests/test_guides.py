@@ -58,13 +58,12 @@ def run_guide(guide: str, workdir: Path, monkeypatch) -> dict:
 
 
 @pytest.fixture
-def fresh_modules():
-    """Modules a guide writes (my_env, my_rewards) are imported fresh, and forgotten after."""
-    before = set(sys.modules)
+def fresh_modules(tmp_path):
+    """Modules a guide writes (my_env, my_rewards) are forgotten after its test."""
     yield
-    for name in set(sys.modules) - before:
-        if not name.startswith(("gyre_async", "schemas", "actors", "torch", "transformers")):
-            sys.modules.pop(name, None)
+    for name, module in list(sys.modules.items()):
+        if str(getattr(module, "__file__", None) or "").startswith(str(tmp_path)):
+            del sys.modules[name]
 
 
 def test_guide_environment(tmp_path, monkeypatch, fresh_modules):

@@ -42,11 +42,17 @@ class EchoConfig(Strict):
     """Raise a non-retriable error on this payload (exercises the dead-letter path)."""
 
 
+#: A value of ``task.env_config``: what an environment's keyword arguments can be in TOML.
+EnvConfigValue = float | int | str | bool | list[str] | dict[str, float | int | str | bool]
+
+
 class TaskSection(Strict):
     env: str = "workshop"
     """Environment name from the registry (gyre_async.envs), e.g. workshop or gym:<id>."""
-    env_config: dict[str, float | int | str | bool] = {}
-    """Keyword arguments for the environment (the workshop's knobs: orders, max_steps, ...)."""
+    env_config: dict[str, EnvConfigValue] = {}
+    """Keyword arguments for the environment (the workshop's knobs: orders, max_steps, ...):
+    scalars, lists of strings (a Gymnasium adapter's ``action_names``) or a table of
+    scalars (its ``make_kwargs``)."""
     train_seed_start: int = 0
     """Training episodes use seeds from here upward."""
     eval_seed_start: int = 1_000_000
@@ -321,7 +327,7 @@ class EvaluatorConfig(Strict):
     tasks: list[str] = []
     """Task ids handed to the environment's reset (each played on every seed), e.g.
     ``scienceworld:grow-fruit``. Empty: ``<env>:<seed>``."""
-    env_config: dict[str, float | int | str | bool] = {}
+    env_config: dict[str, EnvConfigValue] = {}
     """Overrides of ``task.env_config`` for validation, e.g. ``{split = "dev"}``."""
     on_reasons: list[str] = msgspec.field(default_factory=lambda: ["warmstart"])
     """Policy versions published for these reasons are always evaluated (rollbacks always are)."""

@@ -345,3 +345,82 @@ async def test_gym_adapter_text_env():
         box_env = gym.make("GyreCorridor-v0")
         box_env.unwrapped.action_space = gym.spaces.Box(0, 1, (1,))
         GymTextEnv(box_env.unwrapped)
+
+
+def _signals_class(gym):
+    class Signals(gym.Env):
+        """Atari-style names (``get_action_meanings``), milestones read from its state."""
+
+        def __init__(self):
+            self.observation_space = gym.spaces.Text(max_length=64, charset="abcdeghilnorstuw ")
+            self.action_space = gym.spaces.Discrete(3)
+            self.presses = 0
+
+        def get_action_meanings(self):
+            return ["NOOP", "Go-Left", "FIRE"]
+
+        def reset(self, *, seed=None, options=None):
+            super().reset(seed=seed)
+            self.presses = 0
+            return "the light is on", {}
+
+        def step(self, action):
+            self.presses += int(action == 2)
+            return "the light is on", 0.0, self.presses >= 2, False, {}
+
+        def milestones(self):
+            return {"fired": f"presses={self.presses}"} if self.presses else {}
+
+    return Signals
+
+
+def first_name(info, terminated):  # a "module:function" success_fn for the test below
+    return bool(terminated)
+
+
+async def test_gym_adapter_names_from_env_snap_hint_and_state_milestones():
+    import gymnasium as gym
+
+    gym.register(id="GyreSignals-v0", entry_point=_signals_class(gym), max_episode_steps=10)
+    env = make_env("gym:GyreSignals-v0", admissible="snap",
+                   success_fn="tests.test_envs:first_name")
+    assert env.admissible_actions() == ["noop", "go - left", "fire"]  # as the word policy writes
+    await env.reset("signals", seed=0)
+    r = await env.step("fire fire")  # snapped to the valid action sharing most words
+    assert r.info["executed"] == "fire" and [m.name for m in r.milestones] == ["fired"]
+    r = await env.step("go-left")
+    assert r.info["valid"] and r.info["executed"] == "go - left" and not r.milestones
+    r = await env.step("FIRE")
+    assert r.done and r.success and not r.milestones  # each milestone once per episode
+    hinted = make_env("gym:GyreSignals-v0", admissible="hint")
+    assert (await hinted.reset("signals", seed=0)).startswith("valid actions : noop | go - left")
+    assert not (await hinted.step("jump")).info["valid"]  # hint does not snap
+    with pytest.raises(ValueError, match="admissible"):
+        make_env("gym:GyreSignals-v0", admissible="sometimes")
+
+
+def test_gym_vocabulary_and_toml_action_names(tmp_path):
+    import gymnasium as gym
+
+    from gyre_async.compose import build_policy, build_tokenizer
+    from gyre_async.config import load_config
+    from gyre_async.envs import env_vocabulary
+
+    gym.register(id="GyreCorridorVocab-v0", entry_point=_corridor_class(gym), max_episode_steps=20)
+    path = tmp_path / "corridor.toml"
+    path.write_text('[task]\nenv = "gym:GyreCorridorVocab-v0"\n'
+                    'env_config = { action_names = ["left", "right", "stay"], '
+                    'vocabulary = ["exit"], vocab_episodes = 2 }\n')
+    cfg = load_config(path)
+    assert cfg.task.env_config["action_names"] == ["left", "right", "stay"]
+    vocab = env_vocabulary(cfg.task.env, cfg.task.env_config)
+    assert vocab.action_words == ("left", "right", "stay")
+    assert {"at", "cell", "exit", "0"} <= set(vocab.words)  # probed, and declared
+    assert list(vocab.words) == sorted(vocab.words)  # ids do not depend on visiting order
+    tokenizer = build_tokenizer(cfg)
+    assert tokenizer.decode(tokenizer.encode("at cell 1 right")) == "at cell 1 right"
+    policy = build_policy(cfg, tokenizer)
+    allowed = {tokenizer.decode([i]) for i in policy.config.action_token_ids}
+    assert allowed == {"left", "right", "stay"}
+    unnamed = env_vocabulary("gym:GyreCorridorVocab-v0", {"vocab_episodes": 1})
+    assert unnamed.action_words == ("0", "1", "2")  # decimal indices

@@ -20,7 +20,7 @@ from gyre_async.bus.reading import read_events
 from gyre_async.config import load_config
 from gyre_async.core.exploration import PerturbedPolicyHolder, sampling_params_at
 from gyre_async.policy.base import SamplingParams
-from gyre_async.policy.factory import build_policy, build_tokenizer, save_weights
+from gyre_async.compose import build_policy, build_tokenizer, save_weights
 from gyre_async.policy.torch_policy import _behaviour_logp
 from gyre_async.rl.exploration import AdaptiveParamNoise, anneal
 from gyre_async.core.probes import probe_contexts

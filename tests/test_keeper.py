@@ -29,7 +29,7 @@ from gyre_async.bus.reading import read_events
 from gyre_async.config import load_config
 from gyre_async.core.keeper_rules import drop_z, is_better, judge
 from gyre_async.core.keeper_slots import KeptSlots
-from gyre_async.policy.factory import build_policy, build_tokenizer, save_weights
+from gyre_async.compose import build_policy, build_tokenizer, save_weights
 from gyre_async.runtime.process import open_run_bus
 from gyre_async.storage.checkpoints import CheckpointStore
 from gyre_async.storage.urls import normalize_store_url

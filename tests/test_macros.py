@@ -18,7 +18,7 @@ from gyre_async.envs.workshop import make_orders
 from gyre_async.envs.workshop_macros import gather_sequence, workshop_macros
 from gyre_async.experience.elite import ElitePool
 from gyre_async.runtime.loop import run_loop
-from gyre_async.policy.factory import action_token_ids, build_tokenizer
+from gyre_async.compose import action_token_ids, build_tokenizer
 from gyre_async.audit.replay import replay_learner
 from gyre_async.storage.segments import SegmentStore
 from schemas.config import Config, MacroSection

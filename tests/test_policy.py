@@ -7,6 +7,7 @@ import asyncio
 import collections
 import math
 
+import msgspec
 import pytest
 import torch
 
@@ -19,11 +20,11 @@ from gyre_async.policy import (
     TorchPolicy,
     WordTokenizer,
     summarize_milestones,
-    tokenizer_for_env,
+    tokenizer_for_vocabulary,
     tokenizer_from_json,
 )
 
-TOK = tokenizer_for_env("workshop")
+TOK = tokenizer_for_vocabulary(VOCAB)  # the workshop's words (the composition root's choice)
 
 
 def make_policy(seed: int = 0, restrict: bool = True, **overrides) -> TorchPolicy:
@@ -68,7 +69,7 @@ def test_word_tokenizer_round_trip_and_json():
 
 
 def test_byte_tokenizer_round_trip():
-    tok = tokenizer_for_env("gym:Anything-v0")
+    tok = tokenizer_for_vocabulary([])  # an environment that cannot list its words
     assert isinstance(tok, ByteTokenizer) and tok.vocab_size == 8 + 256
     text = "naïve café: 42 ✓"
     ids = tok.encode(text)
@@ -208,3 +209,33 @@ def test_supervised_sanity_learns_the_workshop_rule():
         accuracy = sum(a.text == t and a.tokens[-1] == TOK.eos_id
                        for a, (_, t) in zip(acts, samples)) / len(samples)
         assert accuracy >= 0.95, f"greedy accuracy {accuracy:.1%} after 200 steps"
+
+
+# -- the composition root ---------------------------------------------------------------------
+
+def test_policy_package_imports_no_environment():
+    """policy/ builds from the words it is handed; only gyre_async.compose meets envs."""
+    import ast
+    from pathlib import Path
+
+    package = Path(__file__).resolve().parents[1] / "gyre_async" / "policy"
+    for path in sorted(package.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            modules = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                       else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            for module in modules:
+                assert not module.startswith("gyre_async.envs"), f"{path.name} imports {module}"
+                assert not (isinstance(node, ast.ImportFrom) and node.level and "envs" in module)
+
+
+def test_compose_builds_from_the_environments_vocabulary():
+    from gyre_async.compose import action_token_ids, build_tokenizer
+    from schemas.config import Config
+
+    cfg = Config()  # the workshop, tiny backend
+    tok = build_tokenizer(cfg)
+    assert isinstance(tok, WordTokenizer) and tok.to_json() == TOK.to_json()
+    allowed = {tok.decode([i]) for i in action_token_ids(cfg, tok)}
+    assert allowed == set(ACTION_WORDS)
+    assert action_token_ids(msgspec.structs.replace(
+        cfg, policy=msgspec.structs.replace(cfg.policy, constrain_actions=False)), tok) == ()

@@ -129,7 +129,7 @@ def test_a_sampler_stopped_at_the_staleness_gate_leaves_no_exception_unretrieved
     import gc
 
     from actors.sampler import Sampler
-    from gyre_async.policy.factory import build_policy, build_tokenizer, save_weights
+    from gyre_async.compose import build_policy, build_tokenizer, save_weights
     from gyre_async.runtime.actor import ActorRunner
     from gyre_async.storage.checkpoints import CheckpointStore
     from schemas import encode, event_id

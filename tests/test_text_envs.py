@@ -23,7 +23,7 @@ from gyre_async.offline.demonstrations import (
 from gyre_async.envs import game_vocabulary, make_env
 from gyre_async.envs.text_games import HINT_PREFIX, snap_action
 from gyre_async.policy.context import ContextBuilder
-from gyre_async.policy.factory import build_policy, build_tokenizer
+from gyre_async.compose import build_policy, build_tokenizer
 from gyre_async.core.rollout import PolicyHolder
 from gyre_async.offline.warmstart import warm_policy
 

@@ -151,7 +151,7 @@ async def replay_learner(recorded: Bus, cfg: Config) -> ReplayReport:
     """
     from gyre_async.audit.credit_log import read_credit_log, replay_outcome_book
     from gyre_async.core.learner_batch import BatchItem, prepare_batch
-    from gyre_async.policy.factory import build_policy, load_weights
+    from gyre_async.compose import build_policy, load_weights
     from gyre_async.rl.fusion import OutcomeBook
     from gyre_async.storage.segments import SegmentNotFound, SegmentStore
     from schemas.events import PolicyVersion

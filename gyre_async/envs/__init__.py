@@ -2,7 +2,9 @@
 
 - :mod:`.base`: :class:`Env`, :class:`StepResult`, :func:`guarded_step` / :func:`guarded_reset`
   (timeouts, exceptions and oversized observations become :class:`EnvFailure` values) and the
-  registry :func:`make_env` (``"workshop"``, ``"gym:<id>"``).
+  registry: :func:`make_env` (``"workshop"``, ``"gym:<id>"``) and :func:`env_vocabulary`
+  (the words each environment's text uses: every environment owns its vocabulary, and the
+  composition root :mod:`gyre_async.compose` hands it to the policy's tokenizer).
 - :mod:`.workshop`: the long-horizon workshop family the quickstart trains on.
 - :mod:`.gym_adapter`: Gymnasium environments with text observations/actions.
 - :mod:`.subprocess_env`: any of them in a child process with memory and CPU-time limits
@@ -18,7 +20,9 @@ from gyre_async.envs.base import (
     MAX_OBSERVATION_CHARS,
     Env,
     EnvFailure,
+    EnvVocabulary,
     StepResult,
+    env_vocabulary,
     guarded_reset,
     guarded_step,
     make_env,
@@ -45,7 +49,8 @@ from gyre_async.envs.workshop import (
 )
 
 __all__ = [
-    "ACTIONS", "ACTION_WORDS", "Env", "EnvFailure", "EnvProcessError", "SubprocessEnv",
+    "ACTIONS", "ACTION_WORDS", "Env", "EnvFailure", "EnvProcessError", "EnvVocabulary",
+    "SubprocessEnv", "env_vocabulary",
     "FARMING_ACTIONS", "ITEMS", "MAX_OBSERVATION_CHARS", "RECIPES", "StepResult",
     "TextGameEnv", "VOCAB", "WorkshopConfig", "WorkshopEnv", "game_vocabulary",
     "guarded_reset", "guarded_step", "is_text_game", "lower_bound_steps", "make_env",

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -126,14 +126,52 @@ async def guarded_reset(env: Env, task_id: str, seed: int, timeout_s: float, *,
 
 
 # --------------------------------------------------------------------------------------------
-# Registry: environments are named in config ("workshop", "gym:CartPole-v1"), built here.
+# Registry: environments are named in config ("workshop", "gym:CartPole-v1"), built here, and
+# say here which words their text uses (the policy's tokenizer is built from that).
+
+
+@dataclass(frozen=True)
+class EnvVocabulary:
+    """The words an environment's text is made of, for word-level tokenizers.
+
+    The environment owns its vocabulary (the policy package never imports environments):
+    ``words`` are every word its observations and actions use, in a fixed order (token ids
+    follow it, so the order must not depend on the process); ``action_words`` the words its
+    valid actions are made of (a text policy is constrained to them). Empty ``words``: the
+    environment cannot say, and a byte-level tokenizer reads its text.
+    """
+
+    words: tuple[str, ...] = ()
+    action_words: tuple[str, ...] = ()
+
+    def plus_actions(self, extra: Sequence[str]) -> EnvVocabulary:
+        """Also these action words (macro names), appended so existing ids do not move.
+
+        A vocabulary that knows no words (byte-level text) stays empty.
+        """
+        if not self.words or not extra:
+            return self
+        return EnvVocabulary(tuple(dict.fromkeys((*self.words, *extra))),
+                             tuple(dict.fromkeys((*self.action_words, *extra))))
+
+
+VocabularyFn = Callable[[dict[str, Any]], EnvVocabulary]
 
 _REGISTRY: dict[str, Callable[..., Env]] = {}
+_VOCABULARIES: dict[str, VocabularyFn] = {}
 
 
-def register_env(name: str, factory: Callable[..., Env]) -> None:
-    """Make ``make_env(name, **config)`` call ``factory(**config)``."""
+def register_env(name: str, factory: Callable[..., Env],
+                 vocabulary: VocabularyFn | None = None) -> None:
+    """Make ``make_env(name, **config)`` call ``factory(**config)``.
+
+    ``vocabulary(config)``, when given, answers :func:`env_vocabulary` for this name.
+    """
     _REGISTRY[name] = factory
+    if vocabulary is not None:
+        _VOCABULARIES[name] = vocabulary
+    else:
+        _VOCABULARIES.pop(name, None)
 
 
 def make_env(name: str, **config: Any) -> Env:
@@ -141,19 +179,41 @@ def make_env(name: str, **config: Any) -> Env:
 
     ``"gym:<id>"`` wraps ``gymnasium.make(<id>)`` in
     :class:`~gyre_async.envs.gym_adapter.GymTextEnv` (config goes to the adapter,
-    ``make_kwargs`` to ``gymnasium.make``).
+    ``make_kwargs`` to ``gymnasium.make``); ``<id>`` may be ``module:EnvId`` (Gymnasium
+    imports ``module`` first, which registers the id).
     """
     if name.startswith("gym:"):
         from gyre_async.envs.gym_adapter import make_gym_env
 
         return make_gym_env(name[len("gym:"):], **config)
+    return _factory(name)(**config)
+
+
+def env_vocabulary(name: str, env_config: Mapping[str, Any] | None = None) -> EnvVocabulary:
+    """The vocabulary of environment ``name`` built with ``env_config``.
+
+    Registered environments answer with the ``vocabulary`` function they registered (none:
+    an empty vocabulary, i.e. byte-level text); ``"gym:<id>"`` environments with
+    :func:`~gyre_async.envs.gym_adapter.gym_vocabulary` (action names and probed
+    observations).
+    """
+    config = dict(env_config or {})
+    if name.startswith("gym:"):
+        from gyre_async.envs.gym_adapter import gym_vocabulary
+
+        return gym_vocabulary(name[len("gym:"):], config)
+    _factory(name)  # an unknown name fails here, with the list of known ones
+    vocabulary = _VOCABULARIES.get(name)
+    return vocabulary(config) if vocabulary is not None else EnvVocabulary()
+
+
+def _factory(name: str) -> Callable[..., Env]:
     try:
-        factory = _REGISTRY[name]
+        return _REGISTRY[name]
     except KeyError:
         known = ", ".join(sorted(_REGISTRY)) or "none"
         raise ValueError(f"unknown environment {name!r}; registered: {known}; "
                          "or use 'gym:<gymnasium id>'") from None
-    return factory(**config)
 
 
 def registered_envs() -> list[str]:

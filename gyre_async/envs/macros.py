@@ -9,7 +9,7 @@ A macro is declared in config (``[macros]``) or in code, in one of two forms:
   sub-goal is met, stop).
 
 The policy sees each macro name as one more action: the name's words join the tokenizer's
-vocabulary and the constrained action set (``policy/factory.py``), so it generates it like
+vocabulary and the constrained action set (``gyre_async/compose.py``), so it generates it like
 any other action. Prefer one-word names (``gather_axe``: ``_`` keeps it one token of the
 word tokenizer): the policy then picks a macro with a single token, as it picks a workshop
 verb (the workshop reads an action by its first word).

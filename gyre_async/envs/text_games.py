@@ -34,7 +34,7 @@ from typing import Any, Literal
 
 from schemas.events import Milestone
 
-from gyre_async.envs.base import Env, StepResult, register_env
+from gyre_async.envs.base import Env, EnvVocabulary, StepResult, register_env
 
 AdmissibleMode = Literal["off", "hint", "snap"]
 _WORD = re.compile(r"[a-z_']+|\d|[^\sa-z\d]")
@@ -202,7 +202,11 @@ VOCAB_NEUTRAL_KEYS = frozenset({"split", "max_steps", "admissible", "max_hint_ac
 
 
 def register_text_game(name: str, factory: Callable[..., TextGameEnv]) -> None:
-    register_env(name, factory)
+    def vocabulary(env_config: dict[str, Any]) -> EnvVocabulary:
+        vocab = game_vocabulary(name, env_config)
+        return EnvVocabulary(tuple(vocab.words), tuple(vocab.action_words))
+
+    register_env(name, factory, vocabulary=vocabulary)
     _GAMES[name] = factory
 
 

@@ -51,7 +51,7 @@ import msgspec
 
 from schemas.events import Milestone
 
-from gyre_async.envs.base import Env, StepResult, register_env
+from gyre_async.envs.base import Env, EnvVocabulary, StepResult, register_env
 
 RECIPES: dict[str, dict[str, int]] = {
     "axe": {"wood": 2, "ingot": 1},
@@ -379,4 +379,5 @@ def oracle_action(observation: str) -> str:
     return "wait"
 
 
-register_env("workshop", WorkshopEnv)
+register_env("workshop", WorkshopEnv,
+             vocabulary=lambda _config: EnvVocabulary(VOCAB, ACTION_WORDS))

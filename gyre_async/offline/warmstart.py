@@ -1,7 +1,7 @@
 """Offline warm-start: behaviour cloning from demonstrations, published as policy version 0.
 
 ``gyre warmstart CONFIG`` builds the run's policy exactly as every role builds it
-(:func:`gyre_async.policy.factory.build_policy`), rebuilds the contexts the sampler would
+(:func:`gyre_async.compose.build_policy`), rebuilds the contexts the sampler would
 have seen at each demonstration step (:func:`gyre_async.offline.demonstrations.training_pairs`) and
 maximises the log-probability of the demonstrated action tokens (and of stopping after
 them) through the policy's own :meth:`~gyre_async.policy.base.Policy.evaluate`, so any
@@ -33,7 +33,7 @@ from gyre_async.offline.demonstrations import Demonstration, gold_demonstrations
 from gyre_async.errors import ConfigError
 from gyre_async.policy.base import Policy
 from gyre_async.policy.context import ContextBuilder
-from gyre_async.policy.factory import build_policy, build_tokenizer, save_weights
+from gyre_async.compose import build_policy, build_tokenizer, save_weights
 
 
 def load_demonstrations(cfg: Config) -> list[Demonstration]:

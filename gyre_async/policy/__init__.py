@@ -19,7 +19,7 @@ from gyre_async.policy.tokenizer import (
     BaseTokenizer,
     ByteTokenizer,
     WordTokenizer,
-    tokenizer_for_env,
+    tokenizer_for_vocabulary,
     tokenizer_from_json,
 )
 from gyre_async.policy.torch_policy import CausalLMPolicy, ModelConfig, TinyTransformer, TorchPolicy
@@ -27,6 +27,6 @@ from gyre_async.policy.torch_policy import CausalLMPolicy, ModelConfig, TinyTran
 __all__ = [
     "Action", "BaseTokenizer", "ByteTokenizer", "CausalLMPolicy", "CheckpointMismatch",
     "ContextBuilder", "EvalOutput", "ModelConfig", "Policy", "SPECIAL_TOKENS", "SamplingParams",
-    "TinyTransformer", "TorchPolicy", "WordTokenizer", "tokenizer_for_env",
-    "summarize_milestones", "tokenizer_from_json",
+    "TinyTransformer", "TorchPolicy", "WordTokenizer", "summarize_milestones",
+    "tokenizer_for_vocabulary", "tokenizer_from_json",
 ]

@@ -1,21 +1,25 @@
-"""Building the run's policy from config, and moving its weights through checkpoints.
+"""Building a policy from the policy config and a vocabulary, and moving its weights.
 
-One place decides the tokenizer, the model shape and the action vocabulary, so every role
-(sampler, learner, evaluator) builds byte-identical policies and any checkpoint fits all.
+Nothing here knows environments: the words a tokenizer needs and the words actions are made
+of come in as arguments. The composition root (:mod:`gyre_async.compose`) asks the
+environment for them and calls these builders, so every role (sampler, learner, evaluator)
+builds byte-identical policies from one config and any checkpoint fits all.
 
 ``policy.backend`` picks the model: ``tiny`` (default) the small transformer built here;
 ``hf`` a pretrained causal LM from ``policy.model`` (``smollm2``: converted once into the
 cache), trained by torch; ``vllm`` the same weights, but the sampler acts with a vLLM engine
-(:func:`build_acting_policy`) that reloads every published checkpoint.
+(:func:`make_acting_policy`) that reloads every published checkpoint.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 from schemas.config import Config
 
 from gyre_async.storage.checkpoints import VERSION_KEY, CheckpointStore
 from gyre_async.policy.base import Policy
-from gyre_async.policy.tokenizer import BaseTokenizer, tokenizer_for_env
+from gyre_async.policy.tokenizer import BaseTokenizer, tokenizer_for_vocabulary
 from gyre_async.policy.torch_policy import ModelConfig, TorchPolicy
 
 
@@ -28,66 +32,60 @@ def model_path(cfg: Config) -> str:
     return cfg.policy.model
 
 
-def build_tokenizer(cfg: Config) -> BaseTokenizer:
+def make_tokenizer(cfg: Config, words: Sequence[str]) -> BaseTokenizer:
+    """``tiny``: a word tokenizer over ``words`` (bytes when there are none); ``hf`` /
+    ``vllm``: the pretrained model's own tokenizer (``words`` are not needed)."""
     if cfg.policy.backend == "tiny":
-        from gyre_async.envs.macros import macro_words
-
-        return tokenizer_for_env(cfg.task.env, macro_words(cfg.macros),
-                                 cfg.task.env_config)
+        return tokenizer_for_vocabulary(words)
     from gyre_async.policy.hf_policy import HFTokenizer
 
     return HFTokenizer.from_pretrained(model_path(cfg))
 
 
-def action_token_ids(cfg: Config, tokenizer: BaseTokenizer) -> tuple[int, ...]:
-    """Token ids the policy may generate (empty: any token)."""
-    from gyre_async.envs import game_vocabulary, is_text_game
-    from gyre_async.envs.macros import macro_words
+def allowed_action_ids(cfg: Config, tokenizer: BaseTokenizer,
+                       action_words: Sequence[str]) -> tuple[int, ...]:
+    """Token ids the policy may generate (empty: any token).
 
-    if not cfg.policy.constrain_actions or cfg.policy.backend != "tiny":
-        return ()  # subword vocabularies: any token may be used
-    if is_text_game(cfg.task.env):  # words seen in the game's valid and gold actions
-        words = [*game_vocabulary(cfg.task.env, cfg.task.env_config).action_words]
-    elif cfg.task.env == "workshop":
-        from gyre_async.envs.workshop import ACTION_WORDS
-
-        words = list(ACTION_WORDS)
-    else:
+    Only the ``tiny`` backend with ``policy.constrain_actions`` is constrained, to the
+    tokens of ``action_words``; subword vocabularies may use any token.
+    """
+    if not cfg.policy.constrain_actions or cfg.policy.backend != "tiny" or not action_words:
         return ()
-    words += macro_words(cfg.macros)  # macro names are actions too
-    return tuple(sorted({i for w in words for i in tokenizer.encode(w)} - {tokenizer.unk_id}))
+    return tuple(sorted({i for w in action_words for i in tokenizer.encode(w)}
+                        - {tokenizer.unk_id}))
 
 
-def build_policy(cfg: Config, tokenizer: BaseTokenizer | None = None) -> Policy:
+def make_policy(cfg: Config, tokenizer: BaseTokenizer,
+                action_words: Sequence[str] = ()) -> Policy:
     """The trainable policy (learner, evaluator; the sampler too unless backend is vllm)."""
-    tokenizer = tokenizer or build_tokenizer(cfg)
-    P = cfg.policy
-    if P.backend != "tiny":
+    if cfg.policy.backend != "tiny":
         from gyre_async.policy.hf_policy import HFPolicy
 
         return HFPolicy.from_pretrained(model_path(cfg), tokenizer=tokenizer, seed=cfg.run.seed)
+    shape = cfg.policy
     config = ModelConfig(
-        vocab_size=tokenizer.vocab_size, d_model=P.d_model, n_layers=P.n_layers,
-        n_heads=P.n_heads, max_len=P.context_tokens + P.max_action_tokens + 1,
-        action_token_ids=action_token_ids(cfg, tokenizer),
+        vocab_size=tokenizer.vocab_size, d_model=shape.d_model, n_layers=shape.n_layers,
+        n_heads=shape.n_heads, max_len=shape.context_tokens + shape.max_action_tokens + 1,
+        action_token_ids=allowed_action_ids(cfg, tokenizer, action_words),
     )
     return TorchPolicy(config, tokenizer, seed=cfg.run.seed)
 
 
-def build_acting_policy(cfg: Config, tokenizer: BaseTokenizer | None = None) -> Policy:
+def make_acting_policy(cfg: Config, tokenizer: BaseTokenizer,
+                       action_words: Sequence[str] = ()) -> Policy:
     """The policy the sampler acts with: a vLLM engine for ``backend = "vllm"``, else the
-    same policy as :func:`build_policy`."""
+    same policy as :func:`make_policy`."""
     if cfg.policy.backend != "vllm":
-        return build_policy(cfg, tokenizer)
+        return make_policy(cfg, tokenizer, action_words)
     if cfg.sampler.exploration.param_noise_target_kl > 0:
         raise ValueError("sampler.exploration.param_noise_target_kl perturbs the sampler's torch "
                          "weights, which a vLLM engine does not expose: set it to 0 or use "
                          "policy.backend = 'hf'")
     from gyre_async.policy.vllm_policy import VLLMPolicy
 
-    P = cfg.policy
-    return VLLMPolicy(model_path(cfg), tokenizer or build_tokenizer(cfg), seed=cfg.run.seed,
-                      max_model_len=P.context_tokens + P.max_action_tokens + 1)
+    shape = cfg.policy
+    return VLLMPolicy(model_path(cfg), tokenizer, seed=cfg.run.seed,
+                      max_model_len=shape.context_tokens + shape.max_action_tokens + 1)
 
 
 def save_weights(store: CheckpointStore, policy: Policy, version: int,

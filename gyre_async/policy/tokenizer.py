@@ -11,7 +11,8 @@ it) and ``<sum>`` (the milestone summary follows).
 - :class:`WordTokenizer` over a fixed word list: tiny vocabularies (the workshop has ~70
   words) make tiny models learn fast. Text is lower-cased and split into words, single
   digits and punctuation marks, so ``"order 12."`` -> ``order 1 2 .``.
-- :class:`ByteTokenizer`: 256 bytes + specials, for arbitrary text (Gymnasium adapters).
+- :class:`ByteTokenizer`: 256 bytes + specials, for arbitrary text (an environment that
+  cannot list its words).
 """
 
 from __future__ import annotations
@@ -122,23 +123,13 @@ def tokenizer_from_json(text: str) -> Tokenizer:
     raise ValueError(f"unknown tokenizer kind {spec.get('kind')!r}")
 
 
-def tokenizer_for_env(env_name: str, extra_words: Sequence[str] = (),
-                      env_config: dict | None = None) -> Tokenizer:
-    """The tokenizer a policy for ``env_name`` should use.
+def tokenizer_for_vocabulary(words: Sequence[str]) -> Tokenizer:
+    """The tokenizer for text made of ``words``.
 
-    ``"workshop"``: a :class:`WordTokenizer` over the workshop's ``VOCAB`` (every word of
-    every observation and action, so nothing is ever ``<unk>``), then ``extra_words`` (e.g.
-    macro names; appended, so the workshop's ids do not move). Text games (``"twx"``,
-    ``"scienceworld"``, ``"textworld"``): a :class:`WordTokenizer` over the game's cached
-    vocabulary (:func:`gyre_async.envs.game_vocabulary`, built from ``env_config``), then
-    ``extra_words``. Anything else (``gym:...``, unknown text): the :class:`ByteTokenizer`.
+    A :class:`WordTokenizer` over ``words`` (ids in their order, so appending words never
+    moves existing ids); with no words (an environment that cannot list them), the
+    :class:`ByteTokenizer`. The words come from the environment that owns them, handed
+    over by the composition root (:mod:`gyre_async.compose`): this package never imports
+    environments.
     """
-    if env_name == "workshop":
-        from gyre_async.envs.workshop import VOCAB
-
-        return WordTokenizer((*VOCAB, *extra_words))
-    from gyre_async.envs import game_vocabulary, is_text_game
-
-    if is_text_game(env_name):
-        return WordTokenizer((*game_vocabulary(env_name, env_config).words, *extra_words))
-    return ByteTokenizer()
+    return WordTokenizer(words) if words else ByteTokenizer()

@@ -29,7 +29,7 @@ import msgspec
 from gyre_async.core.evaluation import evaluate
 from gyre_async.runtime.loop import run_loop
 from gyre_async.policy.context import ContextBuilder
-from gyre_async.policy.factory import build_policy, build_tokenizer
+from gyre_async.compose import build_policy, build_tokenizer
 from gyre_async.core.rollout import PolicyHolder
 from gyre_async.offline.warmstart import publish_warmstart, warm_policy
 from schemas.config import Config

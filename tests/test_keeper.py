@@ -225,6 +225,12 @@ def test_corrupt_best_checkpoint_falls_back_and_learner_follows(tmp_path):
     assert {s: k.version for s, k in rebuilt.slots.slots.items()} == \
         {"best": 1, "stable": 2, "pre-large": 1}
     assert rebuilt.learning_rate == pytest.approx(1e-3 * cfg.keeper.lr_cut)
+    # Kept copies carry the source's model identity, so a rollback load checks the config.
+    stable_meta = rebuilt.slots.load(rebuilt.slots.slots["stable"])[1]
+    source_meta = CheckpointStore(str(tmp_path / "run" / "checkpoints")).load(
+        refs[2].address, refs[2].sha256)[1]
+    assert stable_meta["model_config"] == source_meta["model_config"]
+    assert stable_meta["format"] == source_meta["format"] == "gyre-torch-policy"
     faults = [e for e in out if isinstance(e, CheckpointFault)]
     order = next(e for e in out if isinstance(e, Rollback))
     assert [(f.slot, f.version, f.fell_back_to) for f in faults] == [("best", 1, "stable")]

@@ -56,9 +56,15 @@ class VersionInfo:
     reason: str
 
 
-def _load(address: str, sha256: str) -> dict[str, torch.Tensor]:
+#: Header fields that say which model a checkpoint fits; a kept copy carries them over, so a
+#: rollback load checks the model config exactly as the live load path does.
+IDENTITY_FIELDS = ("format", "model_config", "tokenizer")
+
+
+def _load(address: str, sha256: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     directory = address.rsplit("/", 1)[0]
-    return CheckpointStore(directory).load(address, sha256)[0]
+    tensors, metadata = CheckpointStore(directory).load(address, sha256)
+    return tensors, {k: metadata[k] for k in IDENTITY_FIELDS if k in metadata}
 
 
 class KeeperCore:
@@ -80,7 +86,8 @@ class KeeperCore:
         self.faults = 0
         # -- live only: decisions in progress, caches, measures for the heartbeat ----------
         self.waiting_evals: dict[int, EvalResult] = {}
-        self._weights: OrderedDict[int, dict[str, torch.Tensor]] = OrderedDict()
+        self._weights: OrderedDict[int, tuple[dict[str, torch.Tensor], dict[str, str]]] = \
+            OrderedDict()
         self.last_measures: dict[str, float] = {}
 
     def stats(self) -> dict[str, float]:
@@ -222,9 +229,9 @@ class KeeperCore:
               ) -> list[Event]:
         info = self.versions[version]
         try:
-            tensors = self._tensors(version)
+            tensors, identity = self._checkpoint(version)
             kept = self.slots.keep(slot, version, tensors, {
-                "run_id": self.cfg.run.run_id, "source_version": str(version),
+                **identity, "run_id": self.cfg.run.run_id, "source_version": str(version),
                 "source_checkpoint": info.checkpoint, "source_sha256": info.checkpoint_hash,
                 "why": why, **{f"measure.{k}": repr(v) for k, v in measures.items()}})
         except CheckpointError as exc:
@@ -237,6 +244,9 @@ class KeeperCore:
             measures=measures))
 
     def _tensors(self, version: int) -> dict[str, torch.Tensor]:
+        return self._checkpoint(version)[0]
+
+    def _checkpoint(self, version: int) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         if version not in self._weights:
             info = self.versions[version]
             self._weights[version] = _load(info.checkpoint, info.checkpoint_hash)

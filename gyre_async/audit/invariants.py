@@ -6,7 +6,8 @@ to the processes, the log and the stores must show that
 
 - **nothing was lost**: every trajectory step the segmenter consumed (committed) lies in a
   segment, every finished trajectory is segmented in full, every segment the arbiter
-  consumed was scored (or withheld with a ``reward-failed`` reason), every scored segment the learner consumed was trained or dropped
+  consumed was scored (or withheld with a ``reward-failed`` reason), every scored segment the
+  learner consumed was trained or dropped
   with a reason;
 - **nothing was duplicated**: no step was published twice under different ids or lies in
   two segments, no segment was scored twice with different results, no segment entered two
@@ -34,6 +35,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gyre_async.bus import Bus
+from gyre_async.bus.reading import read_events
 from schemas.events import (
     EnvError,
     PolicyVersion,
@@ -50,9 +53,6 @@ from schemas.topics import (
     TELEMETRY,
     TRAJECTORY_STEP,
 )
-
-from gyre_async.bus import Bus
-from gyre_async.bus.reading import read_events
 
 TOPICS = (TRAJECTORY_STEP, SEGMENT_CLOSED, SCORED, POLICY_VERSION, TELEMETRY)
 #: role -> the topic whose committed offsets say what the role has consumed
@@ -146,7 +146,8 @@ def check_run(run: RunEvents, *, segment_store: str, checkpoint_dir: str | None,
     if checkpoint_dir is not None:
         _check_checkpoints(rep, versions, Path(checkpoint_dir))
     rep.counts.update(steps=len(steps), env_errors=len(errors), segments=len(segments),
-                      scored=len(scored), withheld=len(withheld), versions=len(versions), trained=len(trained),
+                      scored=len(scored), withheld=len(withheld), versions=len(versions),
+                      trained=len(trained),
                       dropped=len({d.segment_id for d in dropped}))
     return rep
 

@@ -56,10 +56,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from schemas.events import MAX_PRIMITIVES_PER_STEP, PrimitiveStep, TrajectoryStep
-
-from gyre_async.imports import import_callable
 from gyre_async.envs.base import Env, StepResult
+from gyre_async.imports import import_callable
+from schemas.events import MAX_PRIMITIVES_PER_STEP, PrimitiveStep, TrajectoryStep
 
 #: ``(observation, steps_done) -> next env action, or None when the sub-goal is met``.
 MacroScript = Callable[[str, int], "str | None"]

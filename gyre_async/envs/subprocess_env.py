@@ -35,9 +35,8 @@ from typing import Any
 
 import msgspec
 
-from schemas.events import Milestone
-
 from gyre_async.envs.base import Env, StepResult, make_env, register_env
+from schemas.events import Milestone
 
 MAX_LINE_BYTES = 16 << 20
 _CHILD = ("import sys; from gyre_async.envs.subprocess_env import child_main; "

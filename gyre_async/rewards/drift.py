@@ -31,12 +31,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from gyre_async.rewards.prm import ProcessReward, ProcessRewardModel
+from gyre_async.storage.jsonl import read_jsonl
 from schemas import event_id
 from schemas.config import ArbiterConfig
 from schemas.events import DriftReport
-
-from gyre_async.storage.jsonl import read_jsonl
-from gyre_async.rewards.prm import ProcessReward, ProcessRewardModel
 
 
 @dataclass(frozen=True)

@@ -21,12 +21,11 @@ import sys
 from collections import Counter
 from functools import cached_property
 
-from schemas.topics import ALL_TOPICS, DEAD_LETTER, PROBE_IN, PROBE_OUT
-
 from gyre_async.audit.run_fold import RunFold
 from gyre_async.audit.runlog import summarize
 from gyre_async.bus import open_bus
 from gyre_async.bus.reading import read_events
+from schemas.topics import ALL_TOPICS, DEAD_LETTER, PROBE_IN, PROBE_OUT
 
 READ_TOPICS = tuple(t for t in ALL_TOPICS if t not in (PROBE_IN, PROBE_OUT))
 

@@ -203,7 +203,7 @@ class KafkaConsumer(_Member):
         self._consumer.pause(*assigned)  # nothing from the wrong offset reaches fetch()
         for attempt in range(5):
             try:
-                committed = set()
+                committed: set[KafkaTP] = set()
                 for topic in {tp.topic for tp in assigned}:
                     parts = await self.bus.committed(self.group, topic)
                     committed.update(KafkaTP(topic, p) for p in parts)

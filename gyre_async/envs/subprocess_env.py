@@ -113,10 +113,12 @@ class SubprocessEnv(Env):
         proc = self._proc
         if proc is None:
             raise EnvProcessError("environment process not started: call reset first")
+        stdin, stdout = proc.stdin, proc.stdout
+        assert stdin is not None and stdout is not None, "started with stdin/stdout=PIPE"
         try:
-            proc.stdin.write(msgspec.json.encode(request) + b"\n")
-            await proc.stdin.drain()
-            line = await proc.stdout.readline()
+            stdin.write(msgspec.json.encode(request) + b"\n")
+            await stdin.drain()
+            line = await stdout.readline()
         except asyncio.CancelledError:  # the caller's timeout: kill, never leave it running
             await self.close()
             raise

@@ -60,10 +60,11 @@ class MonitorState(RunFold):
         rates: dict[str, float | None] = {}
         for a in self.actors.values():
             r = a.rate()
-            if a.role not in rates or rates[a.role] is None:
+            current = rates.get(a.role)
+            if current is None:  # the role's first actor, or none of its actors has a rate yet
                 rates[a.role] = r
             elif r is not None:
-                rates[a.role] += r
+                rates[a.role] = current + r
         return rates
 
     def silent_actors(self) -> list[str]:

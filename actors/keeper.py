@@ -36,10 +36,10 @@ from __future__ import annotations
 import asyncio
 
 from gyre_async.bus.reading import ReadCounts, read_events
+from gyre_async.compose import build_policy, build_tokenizer
 from gyre_async.core.keeper import KeeperCore
 from gyre_async.core.keeper_slots import KeptSlots
 from gyre_async.core.probes import probe_contexts
-from gyre_async.compose import build_policy, build_tokenizer
 from gyre_async.runtime.actor import Actor, Emit
 from schemas.config import Config
 from schemas.events import EvalResult, PolicyVersion

@@ -13,8 +13,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from schemas.config import Config
-
 from gyre_async.envs import EnvVocabulary, env_vocabulary
 from gyre_async.envs.macros import macro_words
 from gyre_async.policy.base import Policy
@@ -28,6 +26,7 @@ from gyre_async.policy.factory import (
     save_weights,
 )
 from gyre_async.policy.tokenizer import BaseTokenizer, tokenizer_for_vocabulary
+from schemas.config import Config
 
 __all__ = ["action_token_ids", "build_acting_policy", "build_policy", "build_tokenizer",
            "load_weights", "model_path", "run_vocabulary", "save_weights", "tokenizer_for_env"]

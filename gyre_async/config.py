@@ -14,9 +14,8 @@ from pathlib import Path
 
 import msgspec
 
-from schemas.config import Config
-
 from gyre_async.errors import ConfigError
+from schemas.config import Config
 
 
 def load_config(path: str | os.PathLike | None) -> Config:

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import Counter
+from collections import defaultdict
 from contextlib import contextmanager
 
 FRAMEWORK = ("bus", "codec", "storage")
 WORK = ("policy", "env", "learner")
 
 _lock = threading.Lock()
-_seconds: Counter[str] = Counter()
+_seconds: defaultdict[str, float] = defaultdict(float)
 
 
 def add(category: str, seconds: float) -> None:

@@ -52,7 +52,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "ops"))
 
-from gyre_async.runtime.launcher import read_status, wait_until
+from gyre_async.runtime.launcher import read_status, wait_until  # noqa: E402 - after sys.path
 
 ROLES = ("sampler", "segmenter", "arbiter", "learner")
 AIMED = {"segmenter": "segment-write", "learner": "checkpoint-save"}
@@ -188,8 +188,8 @@ class Chaos:
 
 
 async def audit(url: str, run_id: str, run_dir: Path, max_staleness: int):
-    from gyre_async.bus import open_bus
     from gyre_async.audit.invariants import check_run, read_run
+    from gyre_async.bus import open_bus
 
     async with open_bus(url) as bus:
         run = await read_run(bus, run_id)

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Union
-
 from .events import (
+    CheckpointFault,
     CriticReset,
     DeadLetter,
     DriftReport,
@@ -12,7 +11,6 @@ from .events import (
     EvalRequest,
     EvalResult,
     Heartbeat,
-    CheckpointFault,
     KeptCheckpoint,
     PolicyVersion,
     Probe,
@@ -38,17 +36,17 @@ KEEPER = "keeper"
 
 #: topic -> the union of event types it carries. Adding a topic here is all a new topic needs.
 TOPIC_UNIONS: dict[str, object] = {
-    TRAJECTORY_STEP: Union[TrajectoryStep, EnvError],
+    TRAJECTORY_STEP: TrajectoryStep | EnvError,
     SEGMENT_CLOSED: SegmentClosed,
-    SCORED: Union[Scored, RewardFailed],
+    SCORED: Scored | RewardFailed,
     POLICY_VERSION: PolicyVersion,
     EVAL: EvalResult,
     EVAL_REQUEST: EvalRequest,
-    TELEMETRY: Union[Heartbeat, SegmentDropped, CriticReset, DriftReport],
+    TELEMETRY: Heartbeat | SegmentDropped | CriticReset | DriftReport,
     DEAD_LETTER: DeadLetter,
     PROBE_IN: Probe,
     PROBE_OUT: Probe,
-    KEEPER: Union[KeptCheckpoint, Rollback, CheckpointFault],
+    KEEPER: KeptCheckpoint | Rollback | CheckpointFault,
 }
 
 ALL_TOPICS: tuple[str, ...] = tuple(TOPIC_UNIONS)

@@ -8,9 +8,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gyre_async.bus import open_bus  # noqa: E402
 import msgspec  # noqa: E402
 
+from gyre_async.bus import open_bus  # noqa: E402
 from schemas import encode, event_id  # noqa: E402
 from schemas.events import Probe  # noqa: E402
 

@@ -16,9 +16,9 @@ import msgspec
 import pytest
 
 from actors.echo import EchoActor
-from gyre_async.runtime.actor import ActorRunner
 from gyre_async.bus import open_bus
 from gyre_async.bus.reading import read_topics
+from gyre_async.runtime.actor import ActorRunner
 from schemas import decode, encode, event_id
 from schemas.config import EchoConfig
 from schemas.events import Probe

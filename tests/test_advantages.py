@@ -8,18 +8,18 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from reference_advantages import (
+    slow_fuse_advantages,
+    slow_fusion_weight,
+    slow_group_outcome_advantage,
+    slow_segment_gae,
+)
 
 from gyre_async.rl.advantages import (
     fuse_advantages,
     fusion_weight,
     group_outcome_advantage,
     segment_gae,
-)
-from reference_advantages import (
-    slow_fuse_advantages,
-    slow_fusion_weight,
-    slow_group_outcome_advantage,
-    slow_segment_gae,
 )
 
 FLOATS = st.floats(min_value=-10.0, max_value=10.0, allow_nan=False, width=32)

@@ -206,9 +206,9 @@ def test_failed_components_are_reported_never_zero(tmp_path):
 
 async def test_reward_failed_through_the_embedded_bus(tmp_path):
     from actors.arbiter import Arbiter
-    from gyre_async.runtime.actor import ActorRunner
     from gyre_async.bus import open_bus
     from gyre_async.bus.reading import read_topics
+    from gyre_async.runtime.actor import ActorRunner
     from schemas import decode
     from schemas.topics import SCORED, SEGMENT_CLOSED
 
@@ -247,9 +247,9 @@ async def test_reward_failed_through_the_embedded_bus(tmp_path):
 
 async def test_a_trajectory_caught_farming_stays_caught_across_a_restart(tmp_path):
     from actors.arbiter import Arbiter
-    from gyre_async.runtime.actor import ActorRunner
     from gyre_async.bus import open_bus
     from gyre_async.bus.reading import read_topics
+    from gyre_async.runtime.actor import ActorRunner
     from schemas import decode
     from schemas.topics import SCORED, SEGMENT_CLOSED
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from test_loop_e2e import tiny_config
 
 from gyre_async.audit.archive import archive
 from gyre_async.bus import open_bus
@@ -18,8 +19,6 @@ from gyre_async.bus.reading import read_topics
 from gyre_async.runtime.loop import run_loop
 from schemas import decode, encode
 from schemas.topics import POLICY_VERSION, SCORED, SEGMENT_CLOSED, TRAJECTORY_STEP
-
-from test_loop_e2e import tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 GYRE = [sys.executable, "-m", "gyre_async.cli"]

@@ -28,13 +28,13 @@ from test_loop_e2e import TINY
 
 from actors.echo import EchoActor
 from actors.learner import Learner
-from gyre_async.core.learner import LearnerCore
-from gyre_async.core.segmenter import ClosedSegment, segment_arrays
-from gyre_async.runtime.actor import ActorRunner
 from gyre_async.bus import open_bus
 from gyre_async.bus.reading import read_topics
 from gyre_async.config import load_config
+from gyre_async.core.learner import LearnerCore
+from gyre_async.core.segmenter import ClosedSegment, segment_arrays
 from gyre_async.rl.finite import NonFiniteBatch
+from gyre_async.runtime.actor import ActorRunner
 from gyre_async.storage.segments import SegmentStore
 from schemas import decode, encode, event_id
 from schemas.config import EchoConfig

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
+from gyre_async.audit.invariants import check_run, read_run
 from gyre_async.bus import open_bus
 from gyre_async.bus.reading import read_topics
-from gyre_async.audit.invariants import check_run, read_run
 from schemas import decode
 from schemas.events import PolicyVersion
 from schemas.topics import POLICY_VERSION, TRAJECTORY_STEP

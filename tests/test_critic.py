@@ -15,13 +15,13 @@ import pytest
 import torch
 
 from actors.learner import Learner
-from gyre_async.core.segmenter import ClosedSegment, segment_arrays
-from gyre_async.runtime.actor import ActorRunner
 from gyre_async.bus import open_bus
 from gyre_async.bus.reading import read_topics
-from gyre_async.policy.base import SamplingParams
 from gyre_async.compose import build_policy
+from gyre_async.core.segmenter import ClosedSegment, segment_arrays
+from gyre_async.policy.base import SamplingParams
 from gyre_async.rl.critic import DivergenceDetector, complete_returns, value_prior
+from gyre_async.runtime.actor import ActorRunner
 from gyre_async.storage.segments import SegmentStore
 from schemas import decode, encode, event_id
 from schemas.config import Config, LearnerConfig, PolicySection, RunSection

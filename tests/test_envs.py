@@ -115,7 +115,7 @@ async def test_uniform_random_policy_rarely_succeeds():
         env = WorkshopEnv(cfg)
         rng = random.Random(seed)
         results, _ = await run_episode(
-            env, lambda _obs: rng.choice(env.admissible_actions()), seed=1000 + seed)
+            env, lambda _obs, rng=rng, env=env: rng.choice(env.admissible_actions()), seed=1000 + seed)
         successes += results[-1].success
         scores.append(results[-1].score)
     rate = successes / episodes
@@ -320,6 +320,7 @@ def _corridor_class(gym):
 
 async def test_gym_adapter_text_env():
     import gymnasium as gym  # a test dependency: missing it must fail, not skip
+
     from schemas.events import Milestone
 
     gym.register(id="GyreCorridor-v0", entry_point=_corridor_class(gym), max_episode_steps=20)

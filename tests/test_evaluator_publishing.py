@@ -16,11 +16,11 @@ from pathlib import Path
 import msgspec
 
 from actors.evaluator import Evaluator
-from gyre_async.runtime.actor import ActorRunner
 from gyre_async.bus import open_bus
 from gyre_async.bus.reading import read_topics
-from gyre_async.config import load_config
 from gyre_async.compose import build_policy, build_tokenizer, save_weights
+from gyre_async.config import load_config
+from gyre_async.runtime.actor import ActorRunner
 from gyre_async.storage.checkpoints import CheckpointStore
 from schemas import decode, encode, event_id
 from schemas.events import PolicyVersion

@@ -17,13 +17,13 @@ from hypothesis import strategies as st
 from actors.sampler import Sampler
 from gyre_async.bus import open_bus
 from gyre_async.bus.reading import read_events
+from gyre_async.compose import build_policy, build_tokenizer, save_weights
 from gyre_async.config import load_config
 from gyre_async.core.exploration import PerturbedPolicyHolder, sampling_params_at
+from gyre_async.core.probes import probe_contexts
 from gyre_async.policy.base import SamplingParams
-from gyre_async.compose import build_policy, build_tokenizer, save_weights
 from gyre_async.policy.torch_policy import _behaviour_logp
 from gyre_async.rl.exploration import AdaptiveParamNoise, anneal
-from gyre_async.core.probes import probe_contexts
 from gyre_async.rl.policy_distance import mean_kl, relative_param_change
 from gyre_async.runtime.actor import ActorRunner
 from gyre_async.storage.checkpoints import CheckpointStore

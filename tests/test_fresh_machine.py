@@ -19,13 +19,12 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from test_loop_e2e import tiny_config
 
 from gyre_async.config import load_config
 from gyre_async.errors import ConfigError
 from gyre_async.runtime.loop import run_loop
 from gyre_async.ui.tensorboard import write_tensorboard
-
-from test_loop_e2e import tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -20,9 +20,9 @@ import pytest
 import torch
 
 from actors.segmenter import Segmenter
-from gyre_async.runtime.actor import ActorRunner
 from gyre_async.bus import open_bus
 from gyre_async.bus.reading import read_topics
+from gyre_async.runtime.actor import ActorRunner
 from gyre_async.storage.checkpoints import CheckpointStore
 from gyre_async.storage.errors import StorageFull
 from gyre_async.storage.segments import SegmentStore

@@ -8,10 +8,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from reference_advantages import slow_fuse_segments, slow_segment_gae
 
 from gyre_async.rl.advantages import segment_gae
 from gyre_async.rl.fusion import OutcomeBook, fuse_segments, unit_rms
-from reference_advantages import slow_fuse_segments, slow_segment_gae
 
 FLOATS = st.floats(min_value=-10.0, max_value=10.0, allow_nan=False, width=32)
 

@@ -451,9 +451,9 @@ def _actor(role: str, tmp_path):
 @pytest.mark.parametrize("role,seed", [("echo", 1), ("arbiter", 2), ("segmenter", 3),
                                        ("learner", 4)])
 async def test_actor_survives_fuzz_and_drops_nothing(role, seed, tmp_path):
-    from gyre_async.runtime.actor import ActorRunner
     from gyre_async.bus import open_bus
     from gyre_async.bus.reading import read_topics
+    from gyre_async.runtime.actor import ActorRunner
 
     actor, topic = _actor(role, tmp_path)
     inputs = make_inputs(role, 300, seed)

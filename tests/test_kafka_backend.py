@@ -1,7 +1,8 @@
 """What only the Kafka backend has to get right, checked against real brokers.
 
 Both PyPI brokers are used (``_noida``, ``_tansu``: the session brokers of conftest.py,
-started through ``ops/brokers.py`` or by ``.ci/run``) because they differ exactly where KafkaBus has to paper over it: Tansu
+started through ``ops/brokers.py`` or by ``.ci/run``) because they differ exactly where KafkaBus has
+to paper over it: Tansu
 accepts any topic name, refuses the idempotent producer and answers ListOffsets(latest)
 wrongly; noida-db does none of that, but never expires a group member that died without
 leaving, which leaves its group stuck for good. So every test uses fresh topic and group

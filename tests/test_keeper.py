@@ -23,17 +23,17 @@ from hypothesis import strategies as st
 
 from actors.keeper import Keeper
 from actors.learner import Learner
-from gyre_async.runtime.actor import ActorRunner
 from gyre_async.bus import open_bus
 from gyre_async.bus.reading import read_events
+from gyre_async.compose import build_policy, build_tokenizer, save_weights
 from gyre_async.config import load_config
 from gyre_async.core.keeper_rules import drop_z, is_better, judge
 from gyre_async.core.keeper_slots import KeptSlots
-from gyre_async.compose import build_policy, build_tokenizer, save_weights
+from gyre_async.runtime.actor import ActorRunner
 from gyre_async.runtime.process import open_run_bus
+from gyre_async.runtime.topology import RUN_ROLES, build_actor
 from gyre_async.storage.checkpoints import CheckpointStore
 from gyre_async.storage.urls import normalize_store_url
-from gyre_async.runtime.topology import RUN_ROLES, build_actor
 from schemas import encode, event_id
 from schemas.events import (
     CheckpointFault,

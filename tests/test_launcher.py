@@ -25,9 +25,9 @@ import pytest
 import structlog
 
 from actors.echo import EchoActor
-from gyre_async.runtime.actor import ActorRunner
 from gyre_async.bus import open_bus
 from gyre_async.bus.reading import read_events
+from gyre_async.runtime.actor import ActorRunner
 from gyre_async.runtime.launcher import (
     Launcher,
     Role,

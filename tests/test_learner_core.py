@@ -10,9 +10,9 @@ import pytest
 import torch
 from test_critic import config, make_batch
 
+from gyre_async.compose import build_policy
 from gyre_async.core.learner import Dropped, LearnerCore, TrainResult
 from gyre_async.experience.elite import ElitePool
-from gyre_async.compose import build_policy
 from gyre_async.rl.fusion import OutcomeBook
 from gyre_async.storage.checkpoints import CheckpointRef
 from gyre_async.storage.segments import SegmentStore

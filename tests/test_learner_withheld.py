@@ -5,16 +5,16 @@ wait for a verdict that will never come."""
 from __future__ import annotations
 
 import msgspec
+from test_bad_inputs import _run_until, store_segment, tiny_learner_config
 
 from actors.learner import Learner
-from gyre_async.runtime.actor import ActorRunner
 from gyre_async.bus import open_bus
 from gyre_async.bus.reading import read_topics
+from gyre_async.runtime.actor import ActorRunner
 from gyre_async.storage.segments import SegmentStore
 from schemas import decode, encode, event_id
 from schemas.events import PolicyVersion, RewardFailed
 from schemas.topics import POLICY_VERSION, SCORED
-from test_bad_inputs import _run_until, store_segment, tiny_learner_config
 
 
 async def test_withheld_final_segment_ends_its_episode_in_sync_mode(tmp_path):

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import msgspec
 
+from gyre_async.audit.invariants import check_run, read_run
 from gyre_async.bus import open_bus
 from gyre_async.bus.reading import read_topics
 from gyre_async.config import load_config
-from gyre_async.audit.invariants import check_run, read_run
 from gyre_async.runtime.loop import run_loop
 from schemas import decode
 from schemas.topics import POLICY_VERSION

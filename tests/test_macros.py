@@ -9,8 +9,10 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from gyre_async.audit.replay import replay_learner
 from gyre_async.bus import open_bus
 from gyre_async.bus.reading import read_events
+from gyre_async.compose import action_token_ids, build_tokenizer
 from gyre_async.config import load_config
 from gyre_async.envs import WorkshopEnv
 from gyre_async.envs.macros import Macro, MacroEnv, env_steps_of, macros_from_config, with_macros
@@ -18,8 +20,6 @@ from gyre_async.envs.workshop import make_orders
 from gyre_async.envs.workshop_macros import gather_sequence, workshop_macros
 from gyre_async.experience.elite import ElitePool
 from gyre_async.runtime.loop import run_loop
-from gyre_async.compose import action_token_ids, build_tokenizer
-from gyre_async.audit.replay import replay_learner
 from gyre_async.storage.segments import SegmentStore
 from schemas.config import Config, MacroSection
 from schemas.events import PolicyVersion, SegmentClosed, SegmentDropped, TrajectoryStep

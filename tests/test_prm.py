@@ -10,7 +10,12 @@ import torch
 
 from gyre_async.envs.workshop import FARMING_ACTIONS, WorkshopEnv, oracle_action
 from gyre_async.rewards.prm import (
-    PrmLoadError, labelled_segment, load_prm, read_labels, save_prm, train_prm,
+    PrmLoadError,
+    labelled_segment,
+    load_prm,
+    read_labels,
+    save_prm,
+    train_prm,
 )
 
 

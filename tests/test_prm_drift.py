@@ -65,9 +65,9 @@ def test_agreement_metrics_match_slow_references(data):
 
 async def test_a_drifted_model_loses_its_weight_and_regains_it(tmp_path):
     from actors.arbiter import Arbiter
-    from gyre_async.runtime.actor import ActorRunner
     from gyre_async.bus import open_bus
     from gyre_async.bus.reading import read_topics
+    from gyre_async.runtime.actor import ActorRunner
 
     good, bad = workshop_segments(1, 20, 0.0), workshop_segments(2, 20, 0.6)
     labels = [LabelledSegment(tuple(a), 1.0) for a in good] + \

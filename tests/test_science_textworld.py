@@ -11,9 +11,9 @@ import pytest
 import scienceworld  # noqa: F401 - the test extra installs both simulators
 import textworld  # noqa: F401
 
-from gyre_async.offline.demonstrations import gold_demonstrations
 from gyre_async.envs import make_env
 from gyre_async.envs.scienceworld import parse_goal_progress
+from gyre_async.offline.demonstrations import gold_demonstrations
 
 
 @pytest.fixture(scope="module", autouse=True)

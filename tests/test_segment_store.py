@@ -25,7 +25,7 @@ from gyre_async.storage import (
     SegmentStoreError,
 )
 from gyre_async.storage.index_log import IndexLog
-from gyre_async.storage.segment_index import IndexPage, content_hash, canonical_arrays
+from gyre_async.storage.segment_index import IndexPage, canonical_arrays, content_hash
 from gyre_async.storage.segment_rows import coalesce, dead_chunks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -253,7 +253,7 @@ def test_property_round_trip(tmp_path, batch):
     base = len(store.list_segments())
     items = [(f"p{base + i}", arrays) for i, arrays in enumerate(batch)]
     refs = store.write_many(items)
-    for (sid, arrays), got in zip(items, store.read_many([r.address for r in refs])):
+    for (_sid, arrays), got in zip(items, store.read_many([r.address for r in refs])):
         for name, want in arrays.items():
             assert got[name].shape == want.shape and got[name].dtype == want.dtype
             assert np.array_equal(got[name], want, equal_nan=want.dtype.kind == "f")

@@ -19,8 +19,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may be downloaded
 
 from gyre_async.bus import open_bus  # noqa: E402
 from gyre_async.bus.reading import read_events  # noqa: E402
-from gyre_async.runtime.loop import run_loop  # noqa: E402
 from gyre_async.compose import build_policy, load_weights, save_weights  # noqa: E402
+from gyre_async.runtime.loop import run_loop  # noqa: E402
 from gyre_async.storage.checkpoints import CheckpointStore  # noqa: E402
 from schemas.config import Config  # noqa: E402
 from schemas.events import PolicyVersion, TrajectoryStep  # noqa: E402

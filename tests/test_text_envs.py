@@ -15,17 +15,20 @@ import msgspec
 import pytest
 import textworld_express  # noqa: F401 - the test extra installs the simulator
 
-from gyre_async.core.evaluation import evaluate
+from gyre_async.compose import build_policy, build_tokenizer
 from gyre_async.config import load_config
-from gyre_async.offline.demonstrations import (
-    gold_demonstrations, read_demonstrations, training_pairs, write_demonstrations,
-)
+from gyre_async.core.evaluation import evaluate
+from gyre_async.core.rollout import PolicyHolder
 from gyre_async.envs import game_vocabulary, make_env
 from gyre_async.envs.text_games import HINT_PREFIX, snap_action
-from gyre_async.policy.context import ContextBuilder
-from gyre_async.compose import build_policy, build_tokenizer
-from gyre_async.core.rollout import PolicyHolder
+from gyre_async.offline.demonstrations import (
+    gold_demonstrations,
+    read_demonstrations,
+    training_pairs,
+    write_demonstrations,
+)
 from gyre_async.offline.warmstart import warm_policy
+from gyre_async.policy.context import ContextBuilder
 
 ROOT = Path(__file__).resolve().parents[1]
 TWC = {"game": "twc", "params": "numLocations=1,numItemsToPutAway=1,includeDoors=0",
@@ -179,10 +182,10 @@ async def test_gyre_run_starts_from_the_warm_start_then_exports_and_evaluates_on
     import sys
 
     from actors.evaluator import Evaluator
-    from gyre_async.runtime.actor import ActorRunner
     from gyre_async.bus import open_bus
     from gyre_async.config import bus_url
     from gyre_async.offline.export import export_run
+    from gyre_async.runtime.actor import ActorRunner
     from gyre_async.runtime.loop import run_loop
     from schemas import encode
     from schemas.events import EvalRequest, EvalResult, PolicyVersion, TrajectoryStep

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from gyre_async.policy.base import SamplingParams
 from gyre_async.compose import build_policy
+from gyre_async.policy.base import SamplingParams
 from gyre_async.rl.ppo import broadcast_step_advantages, ppo_policy_loss
 from schemas.config import Config, PolicySection
 

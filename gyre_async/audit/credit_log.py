@@ -10,12 +10,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Literal
 
-from schemas.events import PolicyVersion, Scored
-from schemas.topics import POLICY_VERSION, SCORED
-
 from gyre_async.bus import Bus
 from gyre_async.bus.reading import read_events
 from gyre_async.rl.fusion import OutcomeBook
+from schemas.events import PolicyVersion, Scored
+from schemas.topics import POLICY_VERSION, SCORED
 
 
 def batch_keys(segments: list[Scored]) -> list[tuple[str, str, bool]]:

@@ -12,13 +12,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from schemas.events import (
-    EnvError, PolicyVersion, Scored, SegmentClosed, SegmentDropped, TrajectoryStep,
-)
-from schemas.topics import POLICY_VERSION, SCORED, SEGMENT_CLOSED, TELEMETRY, TRAJECTORY_STEP
-
 from gyre_async.bus import Bus
 from gyre_async.bus.reading import ReadCounts, read_events
+from schemas.events import (
+    EnvError,
+    PolicyVersion,
+    Scored,
+    SegmentClosed,
+    SegmentDropped,
+    TrajectoryStep,
+)
+from schemas.topics import POLICY_VERSION, SCORED, SEGMENT_CLOSED, TELEMETRY, TRAJECTORY_STEP
 
 
 async def collect(bus: Bus, trajectory_id: str) -> dict[str, Any]:

@@ -6,7 +6,8 @@ to the processes, the log and the stores must show that
 
 - **nothing was lost**: every trajectory step the segmenter consumed (committed) lies in a
   segment, every finished trajectory is segmented in full, every segment the arbiter
-  consumed was scored (or withheld with a ``reward-failed`` reason), every scored segment the learner consumed was trained or dropped
+  consumed was scored (or withheld with a ``reward-failed`` reason), every scored segment the
+  learner consumed was trained or dropped
   with a reason;
 - **nothing was duplicated**: no step was published twice under different ids or lies in
   two segments, no segment was scored twice with different results, no segment entered two
@@ -33,9 +34,13 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
+from gyre_async.bus import Bus
+from gyre_async.bus.reading import read_events
 from schemas.events import (
     EnvError,
+    Event,
     PolicyVersion,
     RewardFailed,
     Scored,
@@ -51,12 +56,11 @@ from schemas.topics import (
     TRAJECTORY_STEP,
 )
 
-from gyre_async.bus import Bus
-from gyre_async.bus.reading import read_events
-
 TOPICS = (TRAJECTORY_STEP, SEGMENT_CLOSED, SCORED, POLICY_VERSION, TELEMETRY)
 #: role -> the topic whose committed offsets say what the role has consumed
 CONSUMED = {"segmenter": TRAJECTORY_STEP, "arbiter": SEGMENT_CLOSED, "learner": SCORED}
+#: the event class a read-back asks for (its results are of that class)
+EventT = TypeVar("EventT", bound=Event)
 _CHECKPOINT_NAME = re.compile(r"^v(\d{12})-([0-9a-f]{64})\.safetensors$")
 
 
@@ -67,21 +71,21 @@ class RunEvents:
     by_topic: dict[str, list[tuple[int, int, object]]]
     committed: dict[str, dict[int, int]]  # role -> partition -> next offset
 
-    def events(self, topic: str, cls: type) -> list:
+    def events(self, topic: str, cls: type[EventT]) -> list[EventT]:
         """Events of ``cls`` on ``topic``, first copy of each event id only."""
         seen: set[str] = set()
-        out = []
+        out: list[EventT] = []
         for _, _, e in self.by_topic.get(topic, []):
             if isinstance(e, cls) and e.event_id not in seen:
                 seen.add(e.event_id)
                 out.append(e)
         return out
 
-    def consumed(self, role: str, topic: str, cls: type) -> list:
+    def consumed(self, role: str, topic: str, cls: type[EventT]) -> list[EventT]:
         """Events of ``cls`` the role has committed past (at least one copy consumed)."""
         done = self.committed.get(role, {})
         seen: set[str] = set()
-        out = []
+        out: list[EventT] = []
         for partition, offset, e in self.by_topic.get(topic, []):
             if (isinstance(e, cls) and offset < done.get(partition, 0)
                     and e.event_id not in seen):
@@ -146,7 +150,8 @@ def check_run(run: RunEvents, *, segment_store: str, checkpoint_dir: str | None,
     if checkpoint_dir is not None:
         _check_checkpoints(rep, versions, Path(checkpoint_dir))
     rep.counts.update(steps=len(steps), env_errors=len(errors), segments=len(segments),
-                      scored=len(scored), withheld=len(withheld), versions=len(versions), trained=len(trained),
+                      scored=len(scored), withheld=len(withheld), versions=len(versions),
+                      trained=len(trained),
                       dropped=len({d.segment_id for d in dropped}))
     return rep
 

@@ -12,11 +12,10 @@ the batch of the last version (or two, with a publish retried) can come back.
 
 from __future__ import annotations
 
-from schemas.events import PolicyVersion
-from schemas.topics import POLICY_VERSION
-
 from gyre_async.bus import Bus
 from gyre_async.bus.reading import read_events
+from schemas.events import PolicyVersion
+from schemas.topics import POLICY_VERSION
 
 
 async def recently_trained(bus: Bus, run_id: str, last_versions: int = 8) -> set[str]:

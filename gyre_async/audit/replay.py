@@ -14,15 +14,14 @@ from typing import Any
 
 import msgspec
 
-from schemas import to_builtins
-from schemas.config import Config
-from schemas.topics import TELEMETRY
-
-from gyre_async.runtime.actor import ActorRunner
 from gyre_async.bus import Bus
 from gyre_async.bus.embedded import EmbeddedBus
 from gyre_async.bus.reading import read_events, read_topics
+from gyre_async.runtime.actor import ActorRunner
 from gyre_async.runtime.topology import build_actor
+from schemas import to_builtins
+from schemas.config import Config
+from schemas.topics import TELEMETRY
 
 IGNORED_FIELDS = {"ts"}
 
@@ -150,8 +149,8 @@ async def replay_learner(recorded: Bus, cfg: Config) -> ReplayReport:
     weights the learner recorded per segment are compared with the replayed ones.
     """
     from gyre_async.audit.credit_log import read_credit_log, replay_outcome_book
-    from gyre_async.core.learner_batch import BatchItem, prepare_batch
     from gyre_async.compose import build_policy, load_weights
+    from gyre_async.core.learner_batch import BatchItem, prepare_batch
     from gyre_async.rl.fusion import OutcomeBook
     from gyre_async.storage.segments import SegmentNotFound, SegmentStore
     from schemas.events import PolicyVersion

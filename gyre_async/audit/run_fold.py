@@ -37,6 +37,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
+from gyre_async.bus.reading import ReadCounts
+from gyre_async.envs.macros import env_steps_of
 from schemas import Event
 from schemas.events import (
     CriticReset,
@@ -51,9 +53,6 @@ from schemas.events import (
     SegmentDropped,
     TrajectoryStep,
 )
-
-from gyre_async.bus.reading import ReadCounts
-from gyre_async.envs.macros import env_steps_of
 
 CURVE_POINTS = 240  #: points kept per curve (the monitor's sparklines show the tail)
 RECENT_EPISODES = 100  #: episodes in the rolling training success rate

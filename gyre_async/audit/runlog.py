@@ -12,12 +12,11 @@ from __future__ import annotations
 import json
 import os
 
-from schemas.events import PolicyVersion
-from schemas.topics import EVAL, POLICY_VERSION, SCORED, SEGMENT_CLOSED, TELEMETRY, TRAJECTORY_STEP
-
 from gyre_async.audit.run_fold import RunFold
 from gyre_async.bus import Bus
 from gyre_async.bus.reading import read_events
+from schemas.events import PolicyVersion
+from schemas.topics import EVAL, POLICY_VERSION, SCORED, SEGMENT_CLOSED, TELEMETRY, TRAJECTORY_STEP
 
 
 async def load_runlog(bus: Bus, *, with_steps: bool = True) -> RunFold:

@@ -23,9 +23,9 @@ import os
 import sqlite3
 import time
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 from gyre_async import timing
 from gyre_async.bus.base import Bus, BusError, Consumer, Record, TopicInfo, TopicPartition, partition_for

@@ -267,7 +267,7 @@ class KafkaBus(Bus):
                 continue
             try:
                 await asyncio.wait_for(closer(), self.close_timeout)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 log.warning("kafka.client_close_timeout", seconds=self.close_timeout,
                             client=getattr(closer, "__qualname__", repr(closer)))
             except Exception as exc:  # noqa: BLE001 - close the others, then raise it

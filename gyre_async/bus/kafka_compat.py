@@ -35,7 +35,7 @@ def _closed_transport_is_connection_error(write):
             raise KafkaConnectionError(
                 f"Connection at {self.host}:{self.port} broken: {err}") from err
 
-    wrapper.gyre_fixed = True  # type: ignore[attr-defined]
+    wrapper.gyre_fixed = True
     return wrapper
 
 

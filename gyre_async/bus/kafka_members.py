@@ -58,7 +58,7 @@ class _Member(Consumer):
     async def _wait_joined(self) -> None:
         try:
             await asyncio.wait_for(self.joined.wait(), self.bus.join_timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise BusError(f"no partitions assigned after {self.bus.join_timeout}s "
                            f"(group {self.group!r})", retriable=True) from None
 
@@ -189,7 +189,7 @@ class KafkaConsumer(_Member):
             self._consumer.subscribe(list(self.topics), listener=_Rebalance(self))
             await asyncio.wait_for(self._consumer.start(), self.bus.join_timeout)
             await self._wait_joined()
-        except (KafkaError, BusError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, KafkaError, BusError) as exc:
             await self._consumer.stop()
             if isinstance(exc, asyncio.TimeoutError):
                 raise BusError(
@@ -203,7 +203,7 @@ class KafkaConsumer(_Member):
         self._consumer.pause(*assigned)  # nothing from the wrong offset reaches fetch()
         for attempt in range(5):
             try:
-                committed = set()
+                committed: set[KafkaTP] = set()
                 for topic in {tp.topic for tp in assigned}:
                     parts = await self.bus.committed(self.group, topic)
                     committed.update(KafkaTP(topic, p) for p in parts)

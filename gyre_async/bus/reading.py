@@ -13,9 +13,8 @@ from typing import Literal
 
 import structlog
 
-from schemas import DecodeError, Event, decode
-
 from gyre_async.bus.base import Bus, Record
+from schemas import DecodeError, Event, decode
 
 log = structlog.get_logger(__name__)
 

@@ -7,14 +7,13 @@ import datetime as dt
 import json
 import sys
 
-from schemas import DecodeError, decode, to_builtins
-from schemas.topics import ALL_TOPICS
-
 from gyre_async.bus import open_bus
 from gyre_async.bus.reading import READ_BACK_MAX_BYTES
 from gyre_async.config import bus_url, load_config
 from gyre_async.errors import ConfigError, OutOfSpace
 from gyre_async.runtime.logs import configure_logging
+from schemas import DecodeError, decode, to_builtins
+from schemas.topics import ALL_TOPICS
 
 EPILOG = """\
 bus URLs: sqlite:///runs/x/events.db (embedded, default: <run_dir>/events.db) or
@@ -99,11 +98,10 @@ def _parser() -> argparse.ArgumentParser:
     arc.add_argument("--out", required=True, help="directory for events.db")
     arc.add_argument("--topics", help="comma-separated topics (default: all)")
 
+    from gyre_async.cli.offline import add_parser as add_offline
     from gyre_async.runtime.launcher import add_parser as add_launch
     from gyre_async.ui.monitor import add_parser as add_monitor
     from gyre_async.ui.report import add_parser as add_report
-
-    from gyre_async.cli.offline import add_parser as add_offline
 
     add_launch(sub)
     add_monitor(sub)
@@ -204,7 +202,7 @@ def _parse_start(start: str) -> tuple[int | None, float | None]:
     except ValueError:
         raise SystemExit(f"--from {start!r}: give an offset, epoch seconds or ISO time") from None
     if when.tzinfo is None:
-        when = when.replace(tzinfo=dt.timezone.utc)
+        when = when.replace(tzinfo=dt.UTC)
     return None, when.timestamp()
 
 

@@ -74,11 +74,10 @@ def run(args, cfg) -> int:
 async def _request(cfg, args) -> int:
     import time
 
+    from gyre_async.runtime.process import open_run_bus
     from schemas import encode, event_id
     from schemas.events import EvalRequest
     from schemas.topics import ALL_TOPICS, EVAL_REQUEST
-
-    from gyre_async.runtime.process import open_run_bus
 
     event = EvalRequest(event_id=event_id("eval-request", cfg.run.run_id, args.version,
                                           args.greedy, time.time()),

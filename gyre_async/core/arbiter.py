@@ -20,13 +20,12 @@ arbiter instance's) are not ours and are ignored. Precedence and the failure pol
 
 from __future__ import annotations
 
-from schemas import Event
-from schemas.config import ArbiterConfig
-from schemas.events import DriftReport, RewardFailed, Scored, SegmentClosed
-
 from gyre_async.rewards.arbitration import Arbitration
 from gyre_async.rewards.drift import DriftWatch
 from gyre_async.rewards.guards import NEW_TRAJECTORY, FarmState
+from schemas import Event
+from schemas.config import ArbiterConfig
+from schemas.events import DriftReport, RewardFailed, Scored, SegmentClosed
 
 
 class ArbiterCore:

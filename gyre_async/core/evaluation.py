@@ -21,12 +21,12 @@ from __future__ import annotations
 import asyncio
 import itertools
 
+from gyre_async.compose import build_policy, build_tokenizer
 from gyre_async.core.rollout import ActionBatcher, PolicyHolder, run_episode
 from gyre_async.envs import make_env
 from gyre_async.envs.macros import with_macros
 from gyre_async.policy.base import SamplingParams
 from gyre_async.policy.context import ContextBuilder
-from gyre_async.compose import build_policy, build_tokenizer
 from schemas import event_id
 from schemas.config import Config
 from schemas.events import EvalResult, PolicyVersion

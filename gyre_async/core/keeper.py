@@ -9,7 +9,8 @@ emits, so the state after a restart is the state the live keeper had.
 
 ``apply`` does not depend on the order *between* topics (a read-back interleaves them
 arbitrarily): the best validation is the evaluation of the version in the ``best`` slot
-(the latest one when the slot was kept), whichever of the two is read first, and a rollback order is pending until a ``policy-version`` says
+(the latest one when the slot was kept), whichever of the two is read first, and a rollback order is
+pending until a ``policy-version`` says
 the learner followed it (``keeper/rollbacks_applied``, carried in every version).
 
 What the decisions are (slots, the large-update measures, the regression rule, the
@@ -25,6 +26,11 @@ from typing import cast
 import structlog
 import torch
 
+from gyre_async.core.keeper_rules import is_better, judge
+from gyre_async.core.keeper_slots import Fault, Kept, KeptSlots
+from gyre_async.rl.policy_distance import policy_kl, relative_param_change
+from gyre_async.storage.checkpoints import CheckpointStore
+from gyre_async.storage.errors import CheckpointError
 from schemas import Event, event_id
 from schemas.config import Config
 from schemas.events import (
@@ -35,12 +41,6 @@ from schemas.events import (
     PolicyVersion,
     Rollback,
 )
-
-from gyre_async.core.keeper_rules import is_better, judge
-from gyre_async.core.keeper_slots import Fault, Kept, KeptSlots
-from gyre_async.rl.policy_distance import policy_kl, relative_param_change
-from gyre_async.storage.checkpoints import CheckpointStore
-from gyre_async.storage.errors import CheckpointError
 
 log = structlog.get_logger(__name__)
 

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import random
 
-from schemas.config import Config
-
 from gyre_async.core.rollout import milestone_summary
 from gyre_async.envs import make_env
 from gyre_async.policy.context import ContextBuilder
+from schemas.config import Config
 
 
 async def probe_contexts(cfg: Config, tokenizer, n: int, seed_start: int) -> list[list[int]]:

@@ -25,6 +25,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from gyre_async.compose import build_acting_policy, build_tokenizer
 from gyre_async.core.exploration import (
     exploration_stats,
     make_holder,
@@ -35,7 +36,6 @@ from gyre_async.envs import make_env
 from gyre_async.envs.base import Env
 from gyre_async.envs.macros import step_fields, with_macros
 from gyre_async.policy.context import ContextBuilder
-from gyre_async.compose import build_acting_policy, build_tokenizer
 from gyre_async.rl.staleness import StalenessGate
 from schemas import Event, event_id
 from schemas.config import Config

@@ -16,6 +16,9 @@
   imported only when such an environment is built.
 """
 
+from gyre_async.envs import scienceworld as _scienceworld  # noqa: F401 - registers "scienceworld"
+from gyre_async.envs import textworld_env as _textworld  # noqa: F401 - registers "textworld"
+from gyre_async.envs import twx as _twx  # noqa: F401 - registers "twx"
 from gyre_async.envs.base import (
     MAX_OBSERVATION_CHARS,
     Env,
@@ -30,9 +33,6 @@ from gyre_async.envs.base import (
     registered_envs,
 )
 from gyre_async.envs.subprocess_env import EnvProcessError, SubprocessEnv
-from gyre_async.envs import scienceworld as _scienceworld  # noqa: F401 - registers "scienceworld"
-from gyre_async.envs import textworld_env as _textworld  # noqa: F401 - registers "textworld"
-from gyre_async.envs import twx as _twx  # noqa: F401 - registers "twx"
 from gyre_async.envs.text_games import TextGameEnv, game_vocabulary, is_text_game
 from gyre_async.envs.workshop import (
     ACTION_WORDS,

@@ -86,7 +86,7 @@ class Env(abc.ABC):
         """Actions that are meaningful now; ``[]`` when the environment cannot say."""
         return []
 
-    async def close(self) -> None:
+    async def close(self) -> None:  # noqa: B027 - optional hook: most environments hold nothing
         """Release resources (processes, sockets). Idempotent."""
 
 

@@ -40,11 +40,10 @@ import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from schemas.events import Milestone
-
 from gyre_async.envs.base import Env, EnvVocabulary, StepResult
 from gyre_async.envs.text_games import BASE_WORDS, HINT_PREFIX, AdmissibleMode, snap_action, words
 from gyre_async.imports import import_callable
+from schemas.events import Milestone
 
 #: Random-action episodes played to collect observation words, and their step cap.
 VOCAB_EPISODES, VOCAB_MAX_STEPS = 8, 200

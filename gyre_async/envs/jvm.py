@@ -32,7 +32,10 @@ def gateway(jar_path: str, javaopts: tuple[str, ...] = ()) -> Any:
         if gw is not None:
             return gw
         from py4j.java_gateway import (
-            CallbackServerParameters, GatewayParameters, JavaGateway, launch_gateway,
+            CallbackServerParameters,
+            GatewayParameters,
+            JavaGateway,
+            launch_gateway,
         )
 
         port, proc = launch_gateway(classpath=jar_path, die_on_exit=True,

@@ -56,10 +56,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from schemas.events import MAX_PRIMITIVES_PER_STEP, PrimitiveStep, TrajectoryStep
-
-from gyre_async.imports import import_callable
 from gyre_async.envs.base import Env, StepResult
+from gyre_async.imports import import_callable
+from schemas.events import MAX_PRIMITIVES_PER_STEP, PrimitiveStep, TrajectoryStep
 
 #: ``(observation, steps_done) -> next env action, or None when the sub-goal is met``.
 MacroScript = Callable[[str, int], "str | None"]
@@ -99,7 +98,12 @@ class Macro:
 
 
 def load_script(target: str) -> MacroScript:
-    return import_callable(target, "macro script")  # type: ignore[return-value]
+    return import_callable(target, "macro script")
+
+
+def load_library(target: str) -> Callable[[], dict[str, Macro]]:
+    """The factory of a built-in macro library (a :data:`LIBRARIES` value)."""
+    return import_callable(target, "macro script")
 
 
 def macros_from_config(section: Any) -> dict[str, Macro]:
@@ -109,7 +113,7 @@ def macros_from_config(section: Any) -> dict[str, Macro]:
         if section.builtin not in LIBRARIES:
             raise ValueError(f"macros.builtin = {section.builtin!r} is unknown; known: "
                              f"{', '.join(sorted(LIBRARIES))} (or leave it empty)")
-        out.update(load_script(LIBRARIES[section.builtin])())  # type: ignore[call-arg]
+        out.update(load_library(LIBRARIES[section.builtin])())
     for name, spec in section.define.items():
         key = normalize(name)
         if isinstance(spec, str):

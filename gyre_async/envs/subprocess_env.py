@@ -35,9 +35,8 @@ from typing import Any
 
 import msgspec
 
-from schemas.events import Milestone
-
 from gyre_async.envs.base import Env, StepResult, make_env, register_env
+from schemas.events import Milestone
 
 MAX_LINE_BYTES = 16 << 20
 _CHILD = ("import sys; from gyre_async.envs.subprocess_env import child_main; "
@@ -114,10 +113,12 @@ class SubprocessEnv(Env):
         proc = self._proc
         if proc is None:
             raise EnvProcessError("environment process not started: call reset first")
+        stdin, stdout = proc.stdin, proc.stdout
+        assert stdin is not None and stdout is not None, "started with stdin/stdout=PIPE"
         try:
-            proc.stdin.write(msgspec.json.encode(request) + b"\n")
-            await proc.stdin.drain()
-            line = await proc.stdout.readline()
+            stdin.write(msgspec.json.encode(request) + b"\n")
+            await stdin.drain()
+            line = await stdout.readline()
         except asyncio.CancelledError:  # the caller's timeout: kill, never leave it running
             await self.close()
             raise

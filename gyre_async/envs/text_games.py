@@ -32,9 +32,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from schemas.events import Milestone
-
 from gyre_async.envs.base import Env, EnvVocabulary, StepResult, register_env
+from schemas.events import Milestone
 
 AdmissibleMode = Literal["off", "hint", "snap"]
 _WORD = re.compile(r"[a-z_']+|\d|[^\sa-z\d]")

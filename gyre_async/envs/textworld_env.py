@@ -17,9 +17,13 @@ import subprocess
 import sys
 import threading
 import warnings
+from typing import TYPE_CHECKING, TypedDict
 
 from gyre_async.envs.cache import cache_dir
 from gyre_async.envs.text_games import TextGameEnv, Turn, register_text_game
+
+if TYPE_CHECKING:  # textworld is imported lazily: only runs that play it need the package
+    from textworld.core import Environment, GameState
 
 _generate_lock = threading.Lock()
 #: TextWorld runs games on jericho's Z-machine, a C library with process-global state: calls
@@ -56,6 +60,17 @@ def game_path(split: str, seed: int, *, recipe: int, take: int, go: int, open_: 
     return path
 
 
+class _GameSettings(TypedDict):
+    """The keyword arguments of :func:`game_path` that pick the game family."""
+
+    recipe: int
+    take: int
+    go: int
+    open_: bool
+    cook: bool
+    cut: bool
+
+
 class TextWorldEnv(TextGameEnv):
     splits = ("train", "valid", "test")
 
@@ -63,10 +78,11 @@ class TextWorldEnv(TextGameEnv):
                  cook: bool = False, cut: bool = False, games: int = 8, max_steps: int = 50,
                  **common):
         super().__init__(max_steps=max_steps, **common)
-        self.settings = dict(recipe=recipe, take=take, go=go, open_=open, cook=cook, cut=cut)
+        self.settings = _GameSettings(recipe=recipe, take=take, go=go, open_=open, cook=cook,
+                                      cut=cut)
         self.games = games
-        self._env = None
-        self._state = None
+        self._env: Environment | None = None
+        self._state: GameState | None = None
         self._path = ""
 
     def _start(self, task_id: str, seed: int) -> Turn:
@@ -86,7 +102,7 @@ class TextWorldEnv(TextGameEnv):
                 warnings.simplefilter("ignore")  # games keep score through their own facts)
                 self._env = textworld.start(path, request_infos=infos)
             self._path = path
-        state = self._env.reset()
+        state = self._require_env().reset()
         return self._turn(state, f"{state['objective']} {state['description']}")
 
     def _turn(self, state, observation: str) -> Turn:
@@ -98,17 +114,29 @@ class TextWorldEnv(TextGameEnv):
 
     def _act(self, action: str) -> Turn:
         with _zmachine_lock:
-            state, _, _ = self._env.step(action)
+            state, _, _ = self._require_env().step(action)
         return self._turn(state, state.feedback)
 
     def _valid_actions(self) -> list[str]:
-        return sorted(self._state["admissible_commands"] or [])
+        return sorted(self._require_state()["admissible_commands"] or [])
 
     def _demonstration(self) -> list[str]:
-        return list(self._state["extra.walkthrough"])
+        return list(self._require_state()["extra.walkthrough"])
 
     def vocabulary_text(self) -> list[str]:
         return []
+
+    def _require_env(self) -> Environment:
+        """The running game (started by ``_start`` whenever the game path changes)."""
+        if self._env is None:
+            raise RuntimeError("call reset() before using the environment")
+        return self._env
+
+    def _require_state(self) -> GameState:
+        """The game's state after the last reset or step."""
+        if self._state is None:
+            raise RuntimeError("call reset() before using the environment")
+        return self._state
 
     def _release(self) -> None:
         if self._env is not None:

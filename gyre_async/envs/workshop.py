@@ -49,9 +49,8 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from schemas.events import Milestone
-
 from gyre_async.envs.base import Env, EnvVocabulary, StepResult, register_env
+from schemas.events import Milestone
 
 RECIPES: dict[str, dict[str, int]] = {
     "axe": {"wood": 2, "ingot": 1},

@@ -44,7 +44,7 @@ segments: audit credit assignment with the pool off.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -157,7 +157,7 @@ class ElitePool:
         return [h for h, _ in new]
 
     # -- mixing -------------------------------------------------------------------------
-    def sample(self, fresh_steps: int, version: int, exclude: set[str] = frozenset()
+    def sample(self, fresh_steps: int, version: int, exclude: Collection[str] = frozenset()
                ) -> list[tuple[Scored, dict[str, np.ndarray]]]:
         """Elite segments worth about ``mix_share * fresh_steps`` steps, as ``(scored,
         arrays)`` pairs the learner can train on (see the module docstring)."""

@@ -42,11 +42,10 @@ from dataclasses import dataclass
 import numpy as np
 import structlog
 
+from gyre_async.bus.reading import ReadCounts, end_offsets, read_events
 from gyre_async.storage.urls import normalize_store_url
 from schemas.events import PolicyVersion, SegmentDropped
 from schemas.topics import POLICY_VERSION, TELEMETRY
-
-from gyre_async.bus.reading import ReadCounts, end_offsets, read_events
 
 log = structlog.get_logger(__name__)
 

@@ -26,10 +26,10 @@ from typing import Any
 
 import msgspec
 
+from gyre_async.core.rollout import milestone_summary
 from gyre_async.envs import make_env
 from gyre_async.envs.text_games import TextGameEnv
 from gyre_async.policy.context import ContextBuilder
-from gyre_async.core.rollout import milestone_summary
 
 FORMAT = "gyre-demonstration/1"
 

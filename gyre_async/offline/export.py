@@ -15,15 +15,14 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
+from gyre_async.bus.reading import read_events
+from gyre_async.envs import make_env
+from gyre_async.envs.text_games import TextGameEnv
+from gyre_async.offline.demonstrations import Demonstration, replay, write_demonstrations
+from gyre_async.runtime.process import open_run_bus
 from schemas.config import Config
 from schemas.events import TrajectoryStep
 from schemas.topics import TRAJECTORY_STEP
-
-from gyre_async.bus.reading import read_events
-from gyre_async.offline.demonstrations import Demonstration, replay, write_demonstrations
-from gyre_async.envs import make_env
-from gyre_async.envs.text_games import TextGameEnv
-from gyre_async.runtime.process import open_run_bus
 
 
 async def successful_trajectories(cfg: Config, bus_override: str | None = None,

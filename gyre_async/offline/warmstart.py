@@ -24,16 +24,20 @@ from typing import Any
 
 import torch
 
+from gyre_async.compose import build_policy, build_tokenizer, save_weights
+from gyre_async.errors import ConfigError
+from gyre_async.offline.demonstrations import (
+    Demonstration,
+    gold_demonstrations,
+    read_demonstrations,
+    training_pairs,
+)
+from gyre_async.policy.base import Policy
+from gyre_async.policy.context import ContextBuilder
 from schemas import event_id
 from schemas.config import Config
 from schemas.events import PolicyVersion
 from schemas.topics import ALL_TOPICS, POLICY_VERSION
-
-from gyre_async.offline.demonstrations import Demonstration, gold_demonstrations, read_demonstrations, training_pairs
-from gyre_async.errors import ConfigError
-from gyre_async.policy.base import Policy
-from gyre_async.policy.context import ContextBuilder
-from gyre_async.compose import build_policy, build_tokenizer, save_weights
 
 
 def load_demonstrations(cfg: Config) -> list[Demonstration]:
@@ -125,11 +129,10 @@ def warm_policy(cfg: Config, demos: list[Demonstration] | None = None
 async def publish_warmstart(cfg: Config, policy: Policy, stats: dict[str, float],
                             bus_override: str | None = None) -> PolicyVersion:
     """Save ``policy`` as version 0 of the run and publish it (reason ``warmstart``)."""
-    from gyre_async.bus.base import Bus  # noqa: F401 - type context only
     from gyre_async.audit.runlog import current_policy_version
+    from gyre_async.bus.base import Bus  # noqa: F401 - type context only
     from gyre_async.runtime.process import open_run_bus
     from gyre_async.storage.checkpoints import CheckpointStore
-
     from schemas import encode
 
     async with open_run_bus(cfg, bus_override) as bus:

@@ -15,12 +15,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from schemas.config import Config
-
-from gyre_async.storage.checkpoints import VERSION_KEY, CheckpointStore
 from gyre_async.policy.base import Policy
 from gyre_async.policy.tokenizer import BaseTokenizer, tokenizer_for_vocabulary
 from gyre_async.policy.torch_policy import ModelConfig, TorchPolicy
+from gyre_async.storage.checkpoints import VERSION_KEY, CheckpointStore
+from schemas.config import Config
 
 
 def model_path(cfg: Config) -> str:

@@ -30,13 +30,16 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from gyre_async.policy.tokenizer import BaseTokenizer
 from gyre_async.policy.torch_policy import CausalLMPolicy
+
+if TYPE_CHECKING:  # transformers is imported lazily (see _need_transformers)
+    from transformers import PreTrainedModel
 
 SYSTEM_PROMPT = "You are playing a text adventure game. Reply with one command."
 CHATML_MARKERS = {
@@ -107,7 +110,7 @@ class HFTokenizer(BaseTokenizer):
 
 
 class _LMWithValue(nn.Module):
-    def __init__(self, lm: nn.Module, value_prior: float):
+    def __init__(self, lm: PreTrainedModel, value_prior: float):
         super().__init__()
         self.lm = lm
         hidden = lm.config.hidden_size
@@ -133,8 +136,8 @@ def tied_weight_names(lm: nn.Module) -> set[str]:
 class HFPolicy(CausalLMPolicy):
     """A Hugging Face causal LM with a value head, behind the :class:`Policy` interface."""
 
-    def __init__(self, lm: nn.Module, tokenizer: HFTokenizer, *, value_prior: float = 0.0,
-                 action_token_ids: Sequence[int] = (), seed: int = 0):
+    def __init__(self, lm: PreTrainedModel, tokenizer: BaseTokenizer, *,
+                 value_prior: float = 0.0, action_token_ids: Sequence[int] = (), seed: int = 0):
         config = lm.config
         max_len = int(getattr(config, "max_position_embeddings", 4096))
         super().__init__(tokenizer, config.vocab_size, max_len, action_token_ids, seed)
@@ -145,7 +148,7 @@ class HFPolicy(CausalLMPolicy):
         self.model_path = ""
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike[str], *, tokenizer: HFTokenizer | None = None,
+    def from_pretrained(cls, path: str | os.PathLike[str], *, tokenizer: BaseTokenizer | None = None,
                         dtype: torch.dtype = torch.float32, **kwargs: Any) -> HFPolicy:
         """Load ``path`` (a local model directory) with ``transformers``; never downloads."""
         transformers = _need_transformers()

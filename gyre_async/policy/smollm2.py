@@ -103,7 +103,9 @@ def convert(source: Path, out_dir: Path) -> None:
         folder, gguf_file=name, dtype=torch.float32, local_files_only=True)
     # The weights are plain float32 tensors now; without this the saved directory would
     # claim to be GGUF-quantised and neither transformers nor vLLM would load it as is.
-    model.hf_quantizer = None
+    # (transformers sets hf_quantizer at load time but declares no such attribute, so mypy
+    # only sees nn.Module.__getattr__'s Tensor | Module: a stub gap, not a wrong value.)
+    model.hf_quantizer = None  # type: ignore[assignment]
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.save_pretrained(out_dir, safe_serialization=True)

@@ -100,7 +100,7 @@ class VLLMPolicy(Policy):
         self.seed = seed
         allowed = [i for i in range(tokenizer.vocab_size) if i not in tokenizer.special_ids]
         self.allowed_token_ids = sorted({*allowed, tokenizer.eos_id})
-        self._serving = serving_copy(self.model_path)
+        self._serving: Path | None = serving_copy(self.model_path)  # None once closed
         self._staging: Path | None = None
         try:
             self.llm = vllm.LLM(model=str(self._serving), seed=seed, max_model_len=max_model_len,
@@ -150,11 +150,14 @@ class VLLMPolicy(Policy):
               if not k.startswith(VALUE_HEAD)}
         if not lm:
             raise CheckpointMismatch("checkpoint holds no language-model tensors")
+        serving = self._serving
+        if serving is None:
+            raise RuntimeError("VLLMPolicy is closed: its model folders are removed")
         staging = Path(tempfile.mkdtemp(prefix="gyre-vllm-weights-"))
         try:
             for name in CONFIG_FILES:
-                if (self._serving / name).exists():
-                    shutil.copy2(self._serving / name, staging / name)
+                if (serving / name).exists():
+                    shutil.copy2(serving / name, staging / name)
             save_file(_untied(lm), str(staging / "model.safetensors"), metadata={"format": "pt"})
             self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(staging)})
             # Cached prefixes hold keys/values computed by the old weights; a context seen

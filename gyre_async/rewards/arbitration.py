@@ -45,15 +45,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from schemas import event_id
-from schemas.config import ArbiterConfig
-from schemas.events import RewardFailed, Scored, SegmentClosed
-
 from gyre_async.rewards.guards import (
-    NEW_TRAJECTORY, FarmState, SafetyRules, Verdict, cheap_steps, farming_verdict, unproven_claims,
+    NEW_TRAJECTORY,
+    FarmState,
+    SafetyRules,
+    Verdict,
+    cheap_steps,
+    farming_verdict,
+    unproven_claims,
 )
 from gyre_async.rewards.prm import ProcessReward
 from gyre_async.rewards.rules import RuleFailed, RuleSet
+from schemas import event_id
+from schemas.config import ArbiterConfig
+from schemas.events import RewardFailed, Scored, SegmentClosed
 
 LEVELS = ("guard", "outcome", "milestone", "rule", "prm", "none")
 

@@ -31,12 +31,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from gyre_async.rewards.prm import ProcessReward, ProcessRewardModel
+from gyre_async.storage.jsonl import read_jsonl
 from schemas import event_id
 from schemas.config import ArbiterConfig
 from schemas.events import DriftReport
-
-from gyre_async.storage.jsonl import read_jsonl
-from gyre_async.rewards.prm import ProcessReward, ProcessRewardModel
 
 
 @dataclass(frozen=True)
@@ -155,14 +154,14 @@ class DriftWatch:
     def check(self, run_id: str, producer: str, handled: int) -> DriftReport | None:
         """Call before scoring a segment, with the number of segments handled before it: a
         report when a check is due (else None). The caller applies the report."""
-        due = self.reference is not None and handled % self.config.check_every_segments == 0
-        if not due:
+        reference = self.reference
+        if reference is None or handled % self.config.check_every_segments != 0:
             return None
         try:
             model = self.prm.model()
         except Exception:  # noqa: BLE001 - the segment's prm component reports it as reward-failed
             return None
-        found = agreement(model, self.reference)
+        found = agreement(model, reference)
         weight, drifted = weight_in_force(self.config.weight, found.pairwise_accuracy,
                                           self.config.min_agreement,
                                           self.config.drifted_weight_factor)

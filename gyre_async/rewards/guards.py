@@ -47,11 +47,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from schemas.config import ArbiterConfig, RuleSpec
-from schemas.events import Milestone, SegmentClosed
-
 from gyre_async.rewards.plugins import Registry
 from gyre_async.rewards.rules import RuleFailed
+from schemas.config import ArbiterConfig, RuleSpec
+from schemas.events import Milestone, SegmentClosed
 
 SafetyRule = Callable[[SegmentClosed], "str | None"]
 

@@ -40,10 +40,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from schemas.events import SegmentClosed
-
 from gyre_async.storage.atomic import atomic_write_bytes
 from gyre_async.storage.jsonl import RowError, read_jsonl
+from schemas.events import SegmentClosed
 
 FORMAT = "gyre-prm"
 VERSION = "1"

@@ -26,10 +26,9 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
+from gyre_async.rewards.plugins import Registry
 from schemas.config import RuleSpec
 from schemas.events import SegmentClosed
-
-from gyre_async.rewards.plugins import Registry
 
 Rule = Callable[[SegmentClosed], Sequence[float]]
 

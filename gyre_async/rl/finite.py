@@ -72,7 +72,8 @@ def check_batch_finite(per_segment: dict[str, dict[str, object]],
     for name, ids in by_field.items():
         problems.append(f"{name} in segments {ids[:5]}{' ...' if len(ids) > 5 else ''}")
     for name, count in non_finite_fields(batch).items():
-        total = batch[name].numel() if isinstance(batch[name], torch.Tensor) else "?"
+        value = batch[name]
+        total = value.numel() if isinstance(value, torch.Tensor) else "?"
         problems.append(f"{name} ({count} of {total} numbers)")
     if problems:
         ids = bad_segments or list(batch_ids) or list(per_segment)

@@ -32,13 +32,12 @@ from typing import ClassVar
 
 import structlog
 
-from schemas import DecodeError, Event, decode, encode, event_id
-from schemas.events import DeadLetter, Heartbeat
-from schemas.topics import DEAD_LETTER, TELEMETRY
-
 from gyre_async import timing
 from gyre_async.bus import Bus, Record
 from gyre_async.errors import is_retriable
+from schemas import DecodeError, Event, decode, encode, event_id
+from schemas.events import DeadLetter, Heartbeat
+from schemas.topics import DEAD_LETTER, TELEMETRY
 
 log = structlog.get_logger(__name__)
 
@@ -160,7 +159,7 @@ class ActorRunner:
         """Stop-aware sleep: returns True if the actor is stopping."""
         try:
             await asyncio.wait_for(self.stopping.wait(), timeout=seconds)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return False
         return True
 

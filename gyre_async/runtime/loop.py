@@ -19,20 +19,25 @@ import time
 import msgspec
 import structlog
 
+from gyre_async.audit.run_fold import RunFold
+from gyre_async.audit.runlog import (
+    current_policy_version,
+    load_runlog,
+    metrics_rows,
+    plot_learning_curve,
+    summarize,
+    write_metrics,
+)
+from gyre_async.bus.reading import read_events
+from gyre_async.core.evaluation import Evaluation, eval_trigger
+from gyre_async.runtime.actor import ActorRunner
+from gyre_async.runtime.process import install_stop_signals, open_run_bus
+from gyre_async.runtime.topology import RUN_ROLES, build_actor
+from gyre_async.ui.tensorboard import write_tensorboard
 from schemas import encode
 from schemas.config import Config
 from schemas.events import EvalResult
 from schemas.topics import ALL_TOPICS, EVAL, POLICY_VERSION, SEGMENT_CLOSED, TELEMETRY
-
-from gyre_async.runtime.actor import ActorRunner
-from gyre_async.audit.run_fold import RunFold
-from gyre_async.bus.reading import read_events
-from gyre_async.core.evaluation import Evaluation, eval_trigger
-from gyre_async.audit.runlog import current_policy_version, load_runlog, plot_learning_curve, summarize, write_metrics
-from gyre_async.audit.runlog import metrics_rows
-from gyre_async.runtime.process import install_stop_signals, open_run_bus
-from gyre_async.runtime.topology import RUN_ROLES, build_actor
-from gyre_async.ui.tensorboard import write_tensorboard
 
 log = structlog.get_logger(__name__)
 

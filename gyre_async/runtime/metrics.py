@@ -131,7 +131,8 @@ class _MetricsServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self, address, collect, health):
+    def __init__(self, address: tuple[str, int], collect: Callable[[], dict[str, float]],
+                 health: Callable[[], bool] | None):
         super().__init__(address, _Handler)
         self.collect = collect
         self.health = health

@@ -9,12 +9,11 @@ from typing import TypeVar
 
 import structlog
 
-from schemas.config import Config
-
-from gyre_async.runtime.actor import ActorRunner
 from gyre_async.bus import Bus, open_bus
 from gyre_async.config import bus_url
+from gyre_async.runtime.actor import ActorRunner
 from gyre_async.runtime.topology import build_actor
+from schemas.config import Config
 
 T = TypeVar("T")
 log = structlog.get_logger(__name__)

@@ -81,11 +81,11 @@ def atomic_write_text(path: PathLike, text: str, encoding: str = "utf-8") -> Non
 
 def _fsync_tree(root: Path) -> None:
     """fsync every file under ``root``, then every folder, deepest first."""
-    folders = []
-    for folder, _dirs, files in os.walk(root):
-        folders.append(Path(folder))
+    folders: list[Path] = []
+    for walked, _dirs, files in os.walk(root):
+        folders.append(Path(walked))
         for name in files:
-            fd = os.open(Path(folder) / name, os.O_RDONLY)
+            fd = os.open(Path(walked) / name, os.O_RDONLY)
             try:
                 os.fsync(fd)
             finally:

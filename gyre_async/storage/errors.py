@@ -54,12 +54,13 @@ _FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 def as_storage_full(exc: BaseException, what: str, setting: str) -> StorageFull | None:
     """A :class:`StorageFull` naming ``what`` was being written and the ``setting`` that
     moves it, when ``exc`` (or its cause) is a full-disk error; else None."""
-    while exc is not None and not (isinstance(exc, OSError) and exc.errno in _FULL_ERRNOS):
-        exc = exc.__cause__ or exc.__context__
-    if exc is None:
+    full: BaseException | None = exc
+    while full is not None and not (isinstance(full, OSError) and full.errno in _FULL_ERRNOS):
+        full = full.__cause__ or full.__context__
+    if not isinstance(full, OSError):  # the chain ended (None) without a full-disk error
         return None
-    where = f" ({exc.filename})" if getattr(exc, "filename", None) else ""
+    where = f" ({full.filename})" if full.filename else ""
     return StorageFull(
-        f"no space left writing {what}{where}: {exc.strerror}. Nothing was published. Fix: "
+        f"no space left writing {what}{where}: {full.strerror}. Nothing was published. Fix: "
         f"free space on that volume (or delete old runs), or point {setting} at a larger "
         "one, then restart; the writer resumes from its last committed input")

@@ -71,9 +71,10 @@ class IndexLog:
                 state.apply_snapshot(decode_snapshot(raw))
             seqs = sorted(seq for kind, seq in parsed if kind == "page" and seq > state.seq)
             raws = await asyncio.gather(*(self.get(page_key(s)) for s in seqs))
-            if any(raw is None for raw in raws):
-                continue
-            for seq, raw in zip(seqs, raws):
+            pages = [raw for raw in raws if raw is not None]
+            if len(pages) != len(raws):
+                continue  # a page was compacted away meanwhile
+            for seq, raw in zip(seqs, pages):
                 if seq != state.seq + 1:
                     break
                 state.apply(decode_page(raw))

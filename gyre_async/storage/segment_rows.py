@@ -38,11 +38,13 @@ def array_path(name: str, rows: np.ndarray) -> str:
     return f"arrays/{name}/{rows.dtype.name}" + (f"_{dims}" if dims else "")
 
 
-def from_rows(block: np.ndarray, p: Placement) -> np.ndarray:
-    """Undo :func:`as_rows` on the rows read back for placement ``p``."""
+def from_rows(block: np.ndarray | None, p: Placement) -> np.ndarray:
+    """Undo :func:`as_rows` on the rows read back for placement ``p`` (``block`` is None
+    for a placement of no rows: nothing is stored, so nothing is read)."""
     dtype = np.dtype(p.dtype)
     if p.rows == 0:
         return np.zeros(p.shape, dtype=dtype)
+    assert block is not None, f"placement {p.name!r} has {p.rows} rows, so they were read"
     if not p.shape:
         out = block.reshape(())
     else:

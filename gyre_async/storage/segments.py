@@ -125,8 +125,8 @@ class SegmentStore:
         self._log = IndexLog(self._store, self.url, self._root, durable)
         self._lock = threading.RLock()  # guards the index and the write path
         if not read_only:
-            attrs = {"gyre_segment_store": STORE_FORMAT}
-            sync(zasync.open_group(store=self._store, mode="a", attributes=attrs))
+            sync(zasync.open_group(store=self._store, mode="a",
+                                   attributes={"gyre_segment_store": STORE_FORMAT}))
         with self._lock:
             sync(self._log.reload())
 

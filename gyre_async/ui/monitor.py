@@ -24,12 +24,11 @@ import os
 import sys
 import time
 
-from schemas.events import EvalResult
-from schemas.topics import ALL_TOPICS
-
 from gyre_async.audit.run_fold import STEP_WINDOW_S, RunFold
 from gyre_async.bus.reading import end_offsets, read_events
 from gyre_async.ui.monitor_view import make_console, render  # render re-exported: monitor.render
+from schemas.events import EvalResult
+from schemas.topics import ALL_TOPICS
 
 #: Default actor heartbeat period (``ActorRunner.heartbeat_s``); silent after 3 of them.
 HEARTBEAT_S = 5.0
@@ -61,10 +60,11 @@ class MonitorState(RunFold):
         rates: dict[str, float | None] = {}
         for a in self.actors.values():
             r = a.rate()
-            if a.role not in rates or rates[a.role] is None:
+            current = rates.get(a.role)
+            if current is None:  # the role's first actor, or none of its actors has a rate yet
                 rates[a.role] = r
             elif r is not None:
-                rates[a.role] += r
+                rates[a.role] = current + r
         return rates
 
     def silent_actors(self) -> list[str]:

@@ -16,7 +16,7 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from rich.console import Console, Group, RenderableType
+from rich.console import Console, Group, JustifyMethod, RenderableType
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
@@ -124,9 +124,10 @@ def _throughput(s: MonitorState) -> Panel:
 def _actors(s: MonitorState) -> Panel:
     silent = s.silent_actors()
     t = Table(expand=True, box=None, padding=(0, 1))
-    for name, justify in [("actor", "left"), ("inputs", "right"),
-                          ("rate", "right"), ("lag", "right"), ("beat", "right"),
-                          ("state", "left")]:
+    columns: list[tuple[str, JustifyMethod]] = [
+        ("actor", "left"), ("inputs", "right"), ("rate", "right"), ("lag", "right"),
+        ("beat", "right"), ("state", "left")]
+    for name, justify in columns:
         t.add_column(name, justify=justify, no_wrap=True, overflow="ellipsis")
     for a in sorted(s.actors.values(), key=lambda a: (a.role, a.actor)):
         quiet = a.actor in silent

@@ -19,14 +19,14 @@ import json
 import os
 import sys
 from collections import Counter
+from collections.abc import Sequence
 from functools import cached_property
-
-from schemas.topics import ALL_TOPICS, DEAD_LETTER, PROBE_IN, PROBE_OUT
 
 from gyre_async.audit.run_fold import RunFold
 from gyre_async.audit.runlog import summarize
 from gyre_async.bus import open_bus
 from gyre_async.bus.reading import read_events
+from schemas.topics import ALL_TOPICS, DEAD_LETTER, PROBE_IN, PROBE_OUT
 
 READ_TOPICS = tuple(t for t in ALL_TOPICS if t not in (PROBE_IN, PROBE_OUT))
 
@@ -128,7 +128,7 @@ def _when(ts: float) -> str:
     return dt.datetime.fromtimestamp(ts, dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
-def _table(head: list[str], rows: list[list[object]], cls: str = "") -> str:
+def _table(head: list[str], rows: Sequence[Sequence[object]], cls: str = "") -> str:
     th = "".join(f"<th>{_e(h)}</th>" for h in head)
     body = "".join("<tr>" + "".join(f"<td>{_e(_fmt(c))}</td>" for c in r) + "</tr>"
                    for r in rows)

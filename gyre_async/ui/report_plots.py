@@ -239,7 +239,7 @@ def segments(d: ReportData) -> bytes | None:
     _headroom(ax, 0.15)
     ax.legend(loc="upper left")
     ax = axes[0, 1]
-    reasons = Counter(s.boundary for s in d.segments)
+    reasons: Counter[str] = Counter(s.boundary for s in d.segments)
     names = list(BOUNDARIES) + sorted(set(reasons) - set(BOUNDARIES))
     bars = ax.barh(names, [reasons.get(n, 0) for n in names], color="C1")
     ax.bar_label(bars, padding=3)

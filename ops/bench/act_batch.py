@@ -15,8 +15,8 @@ import time
 
 import torch
 
-from gyre_async.envs import ACTION_WORDS
 from gyre_async.compose import tokenizer_for_env
+from gyre_async.envs import ACTION_WORDS
 from gyre_async.policy import ModelConfig, SamplingParams, TorchPolicy
 
 

@@ -27,10 +27,10 @@ from pathlib import Path
 
 import msgspec
 
+from gyre_async.audit.runlog import load_runlog
 from gyre_async.bus import open_bus
 from gyre_async.config import bus_url, load_config
 from gyre_async.runtime.loop import run_loop
-from gyre_async.audit.runlog import load_runlog
 from schemas.config import RuleSpec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -111,14 +111,14 @@ def main(argv: list[str] | None = None) -> int:
             cfg = configure(base, guards, tmp, seconds, args)
             summary = asyncio.run(run_loop(cfg, progress=False))
             results[name] = asyncio.run(figures(cfg, summary))
-        f, l = results[name]["first"], results[name]["last"]
-        print(f"guards {name:>3}: reward/step {f['reward_per_step']:.4f} -> "
-              f"{l['reward_per_step']:.4f}, farming share {f['farming_share']:.1%} -> "
-              f"{l['farming_share']:.1%}, train success {f['train_success']:.1%} -> "
-              f"{l['train_success']:.1%}, validation success "
+        first, last = results[name]["first"], results[name]["last"]
+        print(f"guards {name:>3}: reward/step {first['reward_per_step']:.4f} -> "
+              f"{last['reward_per_step']:.4f}, farming share {first['farming_share']:.1%} -> "
+              f"{last['farming_share']:.1%}, train success {first['train_success']:.1%} -> "
+              f"{last['train_success']:.1%}, validation success "
               f"{results[name]['val_success_v0']} -> {results[name]['val_success_final']} "
               f"(v{results[name]['final_version']}, {results[name]['env_steps']} env steps), "
-              f"vetoed segments in the last fifth {l['vetoed_segments']}/{l['segments']}",
+              f"vetoed segments in the last fifth {last['vetoed_segments']}/{last['segments']}",
               file=sys.stderr)
     print(json.dumps({"bench": "guards", "seconds_per_run": seconds,
                       "config": {"orders": args.orders, "max_steps": args.max_steps,

@@ -26,12 +26,12 @@ from pathlib import Path
 
 import msgspec
 
-from gyre_async.core.evaluation import evaluate
-from gyre_async.runtime.loop import run_loop
-from gyre_async.policy.context import ContextBuilder
 from gyre_async.compose import build_policy, build_tokenizer
+from gyre_async.core.evaluation import evaluate
 from gyre_async.core.rollout import PolicyHolder
 from gyre_async.offline.warmstart import publish_warmstart, warm_policy
+from gyre_async.policy.context import ContextBuilder
+from gyre_async.runtime.loop import run_loop
 from schemas.config import Config
 
 BENCHES = {

@@ -31,8 +31,16 @@ from gyre_async.core.keeper_rules import judge
 from gyre_async.runtime.loop import run_loop
 from gyre_async.runtime.topology import RUN_ROLES
 from schemas.config import (
-    Config, EvaluatorConfig, KeeperConfig, LearnerConfig, LoopSection, PolicySection,
-    RunSection, SamplerConfig, SegmenterConfig, TaskSection,
+    Config,
+    EvaluatorConfig,
+    KeeperConfig,
+    LearnerConfig,
+    LoopSection,
+    PolicySection,
+    RunSection,
+    SamplerConfig,
+    SegmenterConfig,
+    TaskSection,
 )
 from schemas.events import EvalResult, PolicyVersion, Rollback
 from schemas.topics import EVAL, KEEPER, POLICY_VERSION

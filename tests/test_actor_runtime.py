@@ -97,6 +97,7 @@ async def _count(bus, topic) -> int:
     return sum(sum(t.end_offsets.values()) for t in await bus.topics() if t.name == topic)
 
 
+@pytest.mark.slow
 async def test_kill_9_mid_batch_restarts_from_commit_exactly_once(group_bus_url, unique,
                                                                     tmp_path):
     # Kafka side on Tansu: noida-db never expires a member that died without leaving,

@@ -28,6 +28,8 @@ from schemas import decode
 from schemas.events import PolicyVersion
 from schemas.topics import POLICY_VERSION, TRAJECTORY_STEP
 
+pytestmark = pytest.mark.slow  # minutes, not seconds: the full tier only
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "ops" / "configs" / "tiny.toml"
 ROLES = ("learner", "segmenter", "arbiter", "sampler")

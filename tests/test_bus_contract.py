@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import msgspec
+import pytest
 
 from gyre_async.bus import open_bus
 from gyre_async.bus.reading import read_topics
@@ -52,6 +53,7 @@ async def test_per_key_order(bus_url, unique):
         assert by_key[k] == sorted(by_key[k]) and len(by_key[k]) == 40
 
 
+@pytest.mark.slow
 async def test_group_split_and_resume_after_commit(group_bus_url, unique):
     topic, group = f"split-{unique}", f"g-{unique}"
     async with open_bus(group_bus_url) as bus:

@@ -89,6 +89,7 @@ def _tagged_msgpack(topic: str) -> st.SearchStrategy[bytes]:
         st.integers(-2, SCHEMA_VERSION + 1))
 
 
+@pytest.mark.slow
 @FUZZ
 @given(st.one_of(st.binary(max_size=256), st.sampled_from(TOPICS).flatmap(_tagged_msgpack)))
 def test_random_bytes_decode_or_decode_error(data: bytes):

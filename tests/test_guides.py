@@ -78,12 +78,14 @@ def test_guide_reward(tmp_path, monkeypatch, fresh_modules):
     assert any("violet" in reason for reason in ns["bad"].guard_reasons)
 
 
+@pytest.mark.slow
 def test_guide_hf_model(tmp_path, monkeypatch, fresh_modules):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # nothing may be downloaded
     ns = run_guide("guide-hf-model.md", tmp_path, monkeypatch)
     assert ns["action"].tokens and ns["out"].values.shape == (1,)
 
 
+@pytest.mark.slow
 @pytest.mark.kafka
 def test_guide_kafka(tmp_path, monkeypatch, fresh_modules, noida):
     monkeypatch.setenv("GYRE_BUS", f"kafka://{noida}")

@@ -22,6 +22,8 @@ from gyre_async.policy.hf_policy import VALUE_HEAD, HFPolicy  # noqa: E402
 from gyre_async.policy.smollm2 import MARKER, ensure_converted, gguf_path  # noqa: E402
 from gyre_async.storage.checkpoints import CheckpointStore  # noqa: E402
 
+pytestmark = pytest.mark.slow  # minutes, not seconds: the full tier only
+
 
 @pytest.fixture(scope="module")
 def smollm2_dir():

@@ -225,6 +225,7 @@ async def test_reader_reads_every_partition_without_a_group(broker):
 # -- groups ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_two_members_split_partitions_and_survivor_takes_over_on_tansu(_tansu):
     topic, group = name("split"), name("g")
     async with KafkaBus(_tansu) as bus:
@@ -277,6 +278,7 @@ asyncio.run(main())
 """
 
 
+@pytest.mark.slow
 async def test_join_that_cannot_settle_raises_instead_of_hanging(_noida):
     # noida-db 0.2.3 never expires a member that died without leaving the group, and keeps
     # it as group leader: every later member's SyncGroup waits for it for good. aiokafka

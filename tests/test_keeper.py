@@ -332,6 +332,7 @@ async def run_until_rollback_is_evaluated(cfg, timeout_s: float) -> None:
             await asyncio.gather(*tasks, return_exceptions=True)
 
 
+@pytest.mark.slow
 def test_poisoned_update_is_rolled_back_and_validation_recovers(tmp_path):
     """A 1000x learning-rate spike at v2 wrecks the policy; the keeper sees the regression
     in v2's validation, orders a rollback to the best version with the learning rate cut,

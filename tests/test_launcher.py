@@ -172,6 +172,7 @@ def test_launcher_restarts_killed_echo_and_stops_on_sigterm(tmp_path):
     assert restart and restart[0]["role"] == "echo" and restart[0]["exit"] == "SIGKILL"
 
 
+@pytest.mark.slow
 @pytest.mark.kafka
 def test_launcher_runs_core_roles_and_survives_sigkill_on_tansu(tmp_path, tansu, unique):
     run_id = f"launch-{unique}"

@@ -105,6 +105,7 @@ max_primitive_steps = 8
         Macro("Gather  Axe", sequence=("chop tree",))
 
 
+@pytest.mark.slow
 def test_run_with_macros_elite_and_retention(tmp_path):
     """A real run: macro decisions are trained on (tokens + log-probs of the name), their
     primitive steps recorded and counted; the elite pool persists; retention holds."""

@@ -23,6 +23,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 from rich.console import Console
 
 from gyre_async.audit.runlog import current_policy_version, load_runlog
@@ -258,6 +259,7 @@ def _num(pattern: str, text: str) -> int:
     return int(m.group(1))
 
 
+@pytest.mark.slow
 def test_monitor_in_a_pty_follows_a_running_loop(tmp_path):
     run_dir = tmp_path / "run"
     cfg = tmp_path / "tiny.toml"

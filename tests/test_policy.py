@@ -185,6 +185,7 @@ def test_value_head_starts_at_the_prior():
 
 # -- it can learn -----------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_supervised_sanity_learns_the_workshop_rule():
     """200 steps of cross-entropy on oracle actions: the rule is learnable by this model."""
     torch.manual_seed(0)

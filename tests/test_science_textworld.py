@@ -15,6 +15,8 @@ from gyre_async.envs import make_env
 from gyre_async.envs.scienceworld import parse_goal_progress
 from gyre_async.offline.demonstrations import gold_demonstrations
 
+pytestmark = pytest.mark.slow  # minutes, not seconds: the full tier only
+
 
 @pytest.fixture(scope="module", autouse=True)
 def gyre_cache(tmp_path_factory):

@@ -13,6 +13,7 @@ import asyncio
 import os
 
 import msgspec
+import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may be downloaded
@@ -25,6 +26,8 @@ from gyre_async.storage.checkpoints import CheckpointStore  # noqa: E402
 from schemas.config import Config  # noqa: E402
 from schemas.events import PolicyVersion, TrajectoryStep  # noqa: E402
 from schemas.topics import POLICY_VERSION, TRAJECTORY_STEP  # noqa: E402
+
+pytestmark = pytest.mark.slow  # minutes, not seconds: the full tier only
 
 # TextWorldExpress "twc" (put an object where it belongs), the small real text game; the
 # policy's free text is snapped to the game's nearest valid action.

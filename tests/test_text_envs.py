@@ -176,6 +176,7 @@ async def _events(url: str, topic: str):
         return [e async for _, e in read_events(bus, [topic], on_bad="raise")]
 
 
+@pytest.mark.slow
 async def test_gyre_run_starts_from_the_warm_start_then_exports_and_evaluates_on_request(
         tmp_path):
     import subprocess

@@ -57,9 +57,8 @@ def _parser() -> argparse.ArgumentParser:
                        "--replica I/N)")
     actor.add_argument("--replica", metavar="I/N",
                        help="this process is replica I (0-based) of N of its role, e.g. "
-                       "--replica 2/4 for the third of four samplers: sampler seeds, ids and "
-                       "staleness share derive from it (segmenters and arbiters just share "
-                       "their group's partitions)")
+                       "--replica 2/4 for the third of four samplers: its seeds, ids, "
+                       "policy-version group and staleness share derive from it")
     actor.add_argument("--run-dir", help="override run.run_dir")
     actor.add_argument("--metrics-port", type=int, metavar="PORT",
                        help="serve Prometheus metrics at http://0.0.0.0:PORT/metrics and "

@@ -27,12 +27,13 @@ Behaviour:
   so a ``kill -9`` of the launcher leaves no orphans holding group memberships;
 - ``--status-file`` is rewritten atomically on every change: role -> pid, restarts, state,
   last exit (for scripts, probes and tests that need a role's PID);
-- ``--replicas sampler=4,segmenter=2`` runs N processes of a role, named ``ROLE-0`` ..
-  ``ROLE-(N-1)`` (``gyre actor ROLE --replica I/N``), each supervised on its own. Samplers
-  scale by environments (each replica its own seeds, ids, policy-version group and share of
-  the staleness budget); segmenters and arbiters by partitions of their shared consumer
-  group (at most ``bus.partitions`` busy members). The learner, evaluator and keeper run
-  once per run: their state is the run's, not a partition's.
+- ``--replicas sampler=4`` runs N processes of a role, named ``ROLE-0`` .. ``ROLE-(N-1)``
+  (``gyre actor ROLE --replica I/N``), each supervised on its own. Samplers scale by
+  environments (each replica its own seeds, ids, policy-version group and share of the
+  staleness budget). The other roles run once per run for now: the segment store has one
+  writer, and the segmenter's and arbiter's restart state is folded from their own outputs
+  at start, not per partition, so a partition that moves between two members mid-run
+  would be segmented or paid again (docs/bus.md, "Many samplers").
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ BACKOFF_CAP_S = 10.0
 STABLE_AFTER_S = 60.0
 POLL_S = 0.2
 #: roles that may run as several processes (``--replicas``); the others hold the run's state
-REPLICABLE = ("sampler", "segmenter", "arbiter", "echo")
+REPLICABLE = ("sampler", "echo")
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -76,7 +77,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help=f"comma-separated roles (default: {','.join(CORE_ROLES)})")
     p.add_argument("--replicas", default="", metavar="ROLE=N[,ROLE=N]",
                    help="run N processes of a role, named ROLE-0..ROLE-(N-1), e.g. "
-                   f"sampler=4,segmenter=2 (roles: {', '.join(REPLICABLE)}; default 1 each)")
+                   f"sampler=4 (roles: {', '.join(REPLICABLE)}; default 1 each)")
     p.add_argument("--metrics-port-base", type=int, default=0, metavar="N",
                    help="give process i (in --roles order, replicas in turn) --metrics-port "
                    "N+i (default: none)")
@@ -126,7 +127,7 @@ def backoff_s(streak: int) -> float:
 
 
 def parse_replicas(text: str, roles: list[str]) -> dict[str, int]:
-    """``sampler=4,segmenter=2`` -> counts per role (1 for the rest); ValueError says why."""
+    """``sampler=4,echo=2`` -> counts per role (1 for the rest); ValueError says why."""
     counts = dict.fromkeys(roles, 1)
     for item in filter(None, (part.strip() for part in text.split(","))):
         role, _, count = item.partition("=")

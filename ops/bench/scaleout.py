@@ -17,6 +17,10 @@ joining the broker), a window of ``--seconds`` wall time. Steps: the run's
 ``trajectory-step`` events stamped inside the window. CPU over the same window: the
 sampler processes' user+sys seconds per second (in cores, psutil) and the whole machine's
 busy share of all its cores (psutil), which says whether the machine, not Gyre, is the limit.
+Every sampler runs with ``OMP_NUM_THREADS = --torch-threads`` (default 1), the same for
+every N so the comparison is fair: the acting policy is small, and torch's default of one
+intra-op thread per core costs far more CPU than it saves once the cores are shared (on a
+busy 2-core machine, one sampler at 2 threads spent about 7x the CPU per step of one at 1).
 
 Last line: {"bench": "scaleout", "steps_per_s": {"1": x, "2": x, "4": x, "8": x},
             "efficiency": {"2": x, "4": x, "8": x}, "cpu_utilisation": {...}, ...}
@@ -49,6 +53,7 @@ from gyre_async.bus import open_bus  # noqa: E402
 from gyre_async.bus.reading import read_events  # noqa: E402
 from gyre_async.compose import build_policy, build_tokenizer, save_weights  # noqa: E402
 from gyre_async.config import load_config  # noqa: E402
+from gyre_async.runtime.logs import configure_logging  # noqa: E402
 from gyre_async.storage.checkpoints import CheckpointStore  # noqa: E402
 from schemas import encode, event_id  # noqa: E402
 from schemas.events import PolicyVersion, TrajectoryStep  # noqa: E402
@@ -97,6 +102,32 @@ async def step_times(url: str, run_id: str) -> dict[str, list[float]]:
     return out
 
 
+async def wait_all_stepping(url: str, count: int, procs: list[subprocess.Popen],
+                            timeout_s: float) -> None:
+    """Until ``count`` producers have published a step (one client, following the topic)."""
+    producers: set[str] = set()
+    deadline = time.monotonic() + timeout_s
+
+    async def follow(bus) -> None:
+        async for _, event in read_events(bus, [TRAJECTORY_STEP], on_bad="skip", follow=True):
+            producers.add(event.producer)
+            if len(producers) >= count:
+                return
+
+    async with open_bus(url) as bus:
+        task = asyncio.create_task(follow(bus))
+        try:
+            while not task.done():
+                if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+                    raise RuntimeError(f"{count} samplers: {len(producers)} stepping after "
+                                       f"{timeout_s:.0f} s")
+                await asyncio.sleep(0.5)
+            task.result()
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
 def cpu_seconds(procs: list[psutil.Process]) -> float:
     total = 0.0
     for proc in procs:
@@ -119,19 +150,15 @@ def measure(args, count: int, work: Path) -> dict:
     try:
         config = write_config(args, run_dir, run_id)
         asyncio.run(publish_version_zero(broker.url, config))
-        env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+               "OMP_NUM_THREADS": str(args.torch_threads)}
         for index in range(count):
             with open(run_dir / f"sampler-{index}.log", "w") as log:
                 procs.append(subprocess.Popen(
                     [sys.executable, "-m", "gyre_async.cli", "actor", "sampler", "--config",
                      str(config), "--bus", broker.url, "--replica", f"{index}/{count}"],
                     cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
-        deadline = time.monotonic() + args.startup_timeout
-        while len(asyncio.run(step_times(broker.url, run_id))) < count:
-            if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
-                raise RuntimeError(f"{count} samplers: not all stepping after "
-                                   f"{args.startup_timeout:.0f} s; logs in {run_dir}")
-            time.sleep(1.0)
+        asyncio.run(wait_all_stepping(broker.url, count, procs, args.startup_timeout))
         watched = [psutil.Process(p.pid) for p in procs]
         psutil.cpu_percent(None)  # starts the machine-wide measurement
         cpu_before, started = cpu_seconds(watched), time.time()
@@ -175,9 +202,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-envs", type=int, default=16, help="environments per sampler")
     p.add_argument("--latency", type=float, default=0.3, help="mean tool latency (s)")
     p.add_argument("--sigma", type=float, default=0.5, help="log-normal sigma")
+    p.add_argument("--torch-threads", type=int, default=1,
+                   help="OMP_NUM_THREADS of every sampler process (default 1)")
     p.add_argument("--startup-timeout", type=float, default=300.0,
                    help="seconds for all samplers to publish their first step")
     args = p.parse_args(argv)
+    configure_logging("WARNING")
     counts = [int(c) for c in args.counts.split(",")]
     with tempfile.TemporaryDirectory(prefix="gyre-scaleout-") as tmp:
         results = {n: measure(args, n, Path(tmp)) for n in counts}
@@ -197,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         "ideal_steps_per_s_per_sampler": round(args.num_envs / args.latency, 1),
         "num_envs_per_sampler": args.num_envs, "latency_mean_s": args.latency,
         "latency_sigma": args.sigma, "seconds": args.seconds,
+        "torch_threads": args.torch_threads,
         "learner": "stand-in (one policy-version with the gate open)",
     }))
     return 0

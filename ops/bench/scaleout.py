@@ -19,8 +19,8 @@ sampler processes' user+sys seconds per second (in cores, psutil) and the whole 
 busy share of all its cores (psutil), which says whether the machine, not Gyre, is the limit.
 Every sampler runs with ``OMP_NUM_THREADS = --torch-threads`` (default 1), the same for
 every N so the comparison is fair: the acting policy is small, and torch's default of one
-intra-op thread per core costs far more CPU than it saves once the cores are shared (on a
-busy 2-core machine, one sampler at 2 threads spent about 7x the CPU per step of one at 1).
+intra-op thread per core costs far more CPU than it saves once the cores are shared
+(see docs/bus.md, "Many samplers on Kafka").
 
 Last line: {"bench": "scaleout", "steps_per_s": {"1": x, "2": x, "4": x, "8": x},
             "efficiency": {"2": x, "4": x, "8": x}, "cpu_utilisation": {...}, ...}

@@ -6,7 +6,8 @@ stamped with the policy version that chose the action. Bounded staleness (see
 ``gyre_async.rl.staleness``):
 
 - a step is admitted only while steps_emitted < (learner_version + max_staleness + 1) *
-  steps_per_version (the learner's pace throttles sampling);
+  steps_per_version (the learner's pace throttles sampling; the exact rule, and each
+  replica's share of it when several samplers run, is ``StalenessGate.may_sample``);
 - the sampler pauses while its loaded policy is more than max_staleness versions behind.
 
 In ``sync`` mode each version samples exactly one episode per slot, then waits for the next

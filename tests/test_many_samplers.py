@@ -22,6 +22,7 @@ import msgspec
 import pytest
 
 from actors.sampler import Sampler
+from gyre_async.core.sampler import UnfinishedTrajectories
 from gyre_async.audit.invariants import check_run, read_run
 from gyre_async.bus import open_bus
 from gyre_async.bus.reading import read_events
@@ -164,3 +165,93 @@ def test_restarted_replica_ends_only_its_own_trajectories(tiny, tmp_path):
     errors = [e for e in events if isinstance(e, EnvError)]
     assert [(e.trajectory_id, e.step_index) for e in errors] == [("sampler-0a0a0a0a-0", 3)]
     assert resumed == 3 + 1  # its own steps only: 3 of the open one and 1 of the ended one
+
+
+def test_launcher_restarts_a_killed_sampler_replica_which_ends_only_its_own_episodes(tiny,
+                                                                                      tmp_path):
+    """``gyre launch --replicas sampler=2`` with the core roles on the embedded bus; one
+    replica is SIGKILLed mid-run and restarted under its name: it ends its own open
+    trajectories (``env-error``s it produced, for ids of its own), the other replica goes
+    on untouched, and the run's invariants hold."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from gyre_async.runtime.launcher import read_status, wait_until
+
+    root = Path(__file__).resolve().parents[1]
+    config = tiny.write(run={"run_id": "replica-kill"}, learner={"max_versions": 0})
+    cfg = tiny.config(run={"run_id": "replica-kill"}, learner={"max_versions": 0})
+    url = f"sqlite:///{tmp_path}/events.db"
+    status = tmp_path / "status.json"
+    log_path = tmp_path / "launcher.log"
+
+    def versions() -> int:
+        async def count():
+            async with open_bus(url) as bus:
+                if POLICY_VERSION not in {t.name for t in await bus.topics()}:
+                    return 0
+                return len({e.version async for _, e in read_events(bus, [POLICY_VERSION],
+                                                                    on_bad="skip")})
+        return asyncio.run(count())
+
+    def open_trajectories(producer: str) -> int:
+        async def count():
+            unfinished = UnfinishedTrajectories()
+            async with open_bus(url) as bus:
+                if TRAJECTORY_STEP not in {t.name for t in await bus.topics()}:
+                    return 0
+                async for _, event in read_events(bus, [TRAJECTORY_STEP], on_bad="skip"):
+                    if event.producer == producer:
+                        unfinished.fold(event)
+            return len(unfinished.abandoned("replica-kill", producer))
+        return asyncio.run(count())
+
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "gyre_async.runtime.launcher",
+                                 str(config), "--bus", url, "--status-file", str(status),
+                                 "--replicas", "sampler=2", "--max-restarts", "2"],
+                                cwd=root, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        try:
+            # kill it mid-episode (between episodes, at the gate, there is nothing to end)
+            wait_until("sampler-1 mid-episode after two versions",
+                       lambda: versions() >= 2 and open_trajectories("sampler-1"), 150,
+                       every=0.5)
+            killed = read_status(status)["roles"]["sampler-1"]["pid"]
+            os.kill(killed, signal.SIGKILL)
+            wait_until("sampler-1 restarted", lambda: (s := read_status(status)["roles"]
+                       ["sampler-1"])["restarts"] == 1 and s["alive"], 30)
+            reached = versions()
+            wait_until("a version after the restart", lambda: versions() > reached, 150,
+                       every=1)
+            time.sleep(2)  # the restarted replica publishes steps too
+        except TimeoutError as exc:
+            raise AssertionError(f"{exc}:\n{log_path.read_text()[-4000:]}") from None
+        roles = read_status(status)["roles"]
+        assert roles["sampler-0"]["restarts"] == 0 and roles["sampler-0"]["alive"]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=90) == 0, log_path.read_text()[-4000:]
+
+    async def read():
+        async with open_bus(url) as bus:
+            return await read_run(bus, "replica-kill")
+
+    run = asyncio.run(read())
+    report = check_run(run, segment_store=f"{cfg.run.run_dir}/segments.zarr",
+                       checkpoint_dir=f"{cfg.run.run_dir}/checkpoints",
+                       max_staleness=cfg.loop.max_staleness)
+    assert report.ok, report.describe()
+    errors = run.events(TRAJECTORY_STEP, EnvError)
+    abandoned = [e for e in errors if "abandoned" in e.message]
+    assert abandoned, "the killed replica left no open trajectory to end"
+    assert all(e.producer == "sampler-1" and e.trajectory_id.startswith("sampler-1-")
+               for e in abandoned), [(e.producer, e.trajectory_id) for e in abandoned]
+    steps = run.events(TRAJECTORY_STEP, TrajectoryStep)
+    incarnations = {s.trajectory_id.split("-")[2] for s in steps if s.producer == "sampler-1"}
+    assert len(incarnations) == 2  # the killed process's and the restarted one's
+    assert {s.producer for s in steps} == {"sampler-0", "sampler-1"}

@@ -22,10 +22,10 @@ import msgspec
 import pytest
 
 from actors.sampler import Sampler
-from gyre_async.core.sampler import UnfinishedTrajectories
 from gyre_async.audit.invariants import check_run, read_run
 from gyre_async.bus import open_bus
 from gyre_async.bus.reading import read_events
+from gyre_async.core.sampler import UnfinishedTrajectories
 from gyre_async.rl.staleness import StalenessGate
 from gyre_async.runtime.actor import ActorRunner
 from gyre_async.runtime.topology import build_actor
@@ -177,14 +177,16 @@ def test_launcher_restarts_a_killed_sampler_replica_which_ends_only_its_own_epis
     import signal
     import subprocess
     import sys
-    import time
     from pathlib import Path
 
     from gyre_async.runtime.launcher import read_status, wait_until
 
     root = Path(__file__).resolve().parents[1]
-    config = tiny.write(run={"run_id": "replica-kill"}, learner={"max_versions": 0})
-    cfg = tiny.config(run={"run_id": "replica-kill"}, learner={"max_versions": 0})
+    # episodes of up to 400 steps: the gate stops the slots mid-episode, not between two
+    overrides = {"run": {"run_id": "replica-kill"}, "learner": {"max_versions": 0},
+                 "task": {"env_config": {"n_orders": 6, "max_steps": 400}}}
+    config = tiny.write(**overrides)
+    cfg = tiny.config(**overrides)
     url = f"sqlite:///{tmp_path}/events.db"
     status = tmp_path / "status.json"
     log_path = tmp_path / "launcher.log"
@@ -210,6 +212,14 @@ def test_launcher_restarts_a_killed_sampler_replica_which_ends_only_its_own_epis
             return len(unfinished.abandoned("replica-kill", producer))
         return asyncio.run(count())
 
+    def incarnations(producer: str) -> int:
+        async def count():
+            async with open_bus(url) as bus:
+                return len({e.trajectory_id.split("-")[2] async for _, e in read_events(
+                    bus, [TRAJECTORY_STEP], on_bad="skip")
+                    if isinstance(e, TrajectoryStep) and e.producer == producer})
+        return asyncio.run(count())
+
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "gyre_async.runtime.launcher",
                                  str(config), "--bus", url, "--status-file", str(status),
@@ -226,9 +236,10 @@ def test_launcher_restarts_a_killed_sampler_replica_which_ends_only_its_own_epis
             wait_until("sampler-1 restarted", lambda: (s := read_status(status)["roles"]
                        ["sampler-1"])["restarts"] == 1 and s["alive"], 30)
             reached = versions()
+            wait_until("the restarted sampler-1 stepping", lambda: incarnations("sampler-1")
+                       == 2, 150, every=1)
             wait_until("a version after the restart", lambda: versions() > reached, 150,
                        every=1)
-            time.sleep(2)  # the restarted replica publishes steps too
         except TimeoutError as exc:
             raise AssertionError(f"{exc}:\n{log_path.read_text()[-4000:]}") from None
         roles = read_status(status)["roles"]
@@ -249,9 +260,16 @@ def test_launcher_restarts_a_killed_sampler_replica_which_ends_only_its_own_epis
     errors = run.events(TRAJECTORY_STEP, EnvError)
     abandoned = [e for e in errors if "abandoned" in e.message]
     assert abandoned, "the killed replica left no open trajectory to end"
+    killed_incarnation = abandoned[0].trajectory_id.split("-")[2]
+    left_open = UnfinishedTrajectories()
+    for event in run.events(TRAJECTORY_STEP, TrajectoryStep):
+        if event.trajectory_id.startswith(f"sampler-1-{killed_incarnation}-"):
+            left_open.fold(event)
+    assert sorted(e.trajectory_id for e in abandoned) == sorted(
+        e.trajectory_id for e in left_open.abandoned("replica-kill", "sampler-1"))
     assert all(e.producer == "sampler-1" and e.trajectory_id.startswith("sampler-1-")
                for e in abandoned), [(e.producer, e.trajectory_id) for e in abandoned]
     steps = run.events(TRAJECTORY_STEP, TrajectoryStep)
-    incarnations = {s.trajectory_id.split("-")[2] for s in steps if s.producer == "sampler-1"}
-    assert len(incarnations) == 2  # the killed process's and the restarted one's
+    starts = {s.trajectory_id.split("-")[2] for s in steps if s.producer == "sampler-1"}
+    assert len(starts) == 2  # the killed process's incarnation and the restarted one's
     assert {s.producer for s in steps} == {"sampler-0", "sampler-1"}

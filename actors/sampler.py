@@ -7,7 +7,14 @@ The environments, the batched policy and the staleness gate are
 :class:`gyre_async.core.sampler.SamplerCore`'s. This adapter hands it every policy version,
 runs it as the actor's ``produce`` loop, and publishes the events it makes in batches every
 ``sampler.flush_interval_s``. On start it ends, visibly, the trajectories a previous
-incarnation left open.
+incarnation (same actor name) left open, and resumes that incarnation's count of steps
+under the staleness gate.
+
+Many samplers per run (``gyre actor sampler --replica I/N``, or ``gyre launch --replicas
+sampler=N``): every replica must see every policy version, so each reads
+``policy-version`` in a consumer group of its own (``group_per_name``: ``<run_id>.<name>``)
+instead of sharing one that would split the topic's partitions between them. Ids, seeds
+and the staleness share per replica are the core's (:mod:`gyre_async.core.sampler`).
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ class Sampler(Actor):
     role = "sampler"
     consumes = (POLICY_VERSION,)
     emits = (TRAJECTORY_STEP,)
+    group_per_name = True
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -50,17 +58,21 @@ class Sampler(Actor):
             await self.core.follow(latest)
 
     async def _abandon_unfinished(self) -> None:
-        """An ``env-error`` for each trajectory of this sampler's name left open (see
-        :class:`~gyre_async.core.sampler.UnfinishedTrajectories`)."""
+        """An ``env-error`` for each trajectory of this sampler's name (in this run) left
+        open (see :class:`~gyre_async.core.sampler.UnfinishedTrajectories`): its ids start
+        with ``<name>-``, and its producer is the name (``sampler`` is also a prefix of
+        ``sampler-2``'s ids)."""
         if TRAJECTORY_STEP not in {t.name for t in await self.runner.bus.topics()}:
             return
         unfinished = UnfinishedTrajectories()
-        prefix = f"{self.runner.name}-"
-        async for record, event in read_events(self.runner.bus, [TRAJECTORY_STEP],
-                                               on_bad="skip"):
-            if (record.key or b"").decode(errors="replace").startswith(prefix):
+        name, run_id = self.runner.name, self.cfg.run.run_id
+        async for _record, event in read_events(self.runner.bus, [TRAJECTORY_STEP],
+                                                on_bad="skip"):
+            if event.producer == name and event.run_id == run_id \
+                    and event.key.startswith(f"{name}-"):
                 unfinished.fold(event)
-        errors = unfinished.abandoned(self.cfg.run.run_id, self.runner.name)
+        self.core.resume(unfinished.steps)
+        errors = unfinished.abandoned(run_id, name)
         await self.runner.emit([Emit(TRAJECTORY_STEP, error) for error in errors])
 
     async def handle(self, event, record):

@@ -136,6 +136,13 @@ class SamplerConfig(Strict):
     needs >= 2; 1 gives every trajectory its own task (no global advantage)."""
     exploration: ExplorationConfig = msgspec.field(default_factory=ExplorationConfig)
     """Temperature/top-p schedule and parameter-space noise (``[sampler.exploration]``)."""
+    replicas: int = 1
+    """Sampler processes in the run. Each admits ``1/replicas`` of the staleness budget and
+    draws its seeds from its own residue class modulo ``replicas`` (gyre_async.core.sampler).
+    Set per process by ``gyre actor sampler --replica I/N`` (``gyre launch --replicas
+    sampler=N`` passes it); ``gyre run`` runs one sampler: leave it at 1 in files."""
+    replica: int = 0
+    """This process's index in ``[0, replicas)`` (set with ``replicas``, per process)."""
 
 
 class SegmenterConfig(Strict):

@@ -375,3 +375,57 @@ def test_gyre_actor_metrics_port_serves_prometheus(tmp_path):
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
+
+
+# -- replicas ----------------------------------------------------------------------------------
+
+def test_replicas_expand_into_named_processes_with_replica_flags():
+    from types import SimpleNamespace
+
+    from gyre_async.runtime.launcher import parse_replicas, role_argv
+
+    roles = ["sampler", "segmenter", "arbiter", "learner"]
+    assert parse_replicas("sampler=4", roles) == {"sampler": 4, "segmenter": 1, "arbiter": 1,
+                                                  "learner": 1}
+    assert parse_replicas("", roles) == dict.fromkeys(roles, 1)
+    for bad in ("learner=2", "sampler=0", "sampler=x", "echo=2", "segmenter=2"):
+        with pytest.raises(ValueError):
+            parse_replicas(bad, roles)
+    args = SimpleNamespace(config="c.toml", bus="kafka://b:9092", run_dir=None, log_level=None)
+    argv = role_argv("sampler", args, 9100, (2, 4))
+    assert argv[3:] == ["actor", "sampler", "--config", "c.toml", "--replica", "2/4",
+                        "--bus", "kafka://b:9092", "--metrics-port", "9100"]
+
+
+def test_gyre_actor_replica_sets_the_sampler_section_and_the_name(tiny):
+    from types import SimpleNamespace
+
+    from gyre_async.cli.main import _replica
+    from gyre_async.errors import ConfigError
+
+    cfg = tiny.config()
+    out, name = _replica(SimpleNamespace(role="sampler", replica="2/4", name=None), cfg)
+    assert (out.sampler.replica, out.sampler.replicas, name) == (2, 4, "sampler-2")
+    out, name = _replica(SimpleNamespace(role="sampler", replica="0/2", name="east-0"), cfg)
+    assert (out.sampler.replica, out.sampler.replicas, name) == (0, 2, "east-0")
+    out, name = _replica(SimpleNamespace(role="sampler", replica=None, name=None), cfg)
+    assert (out.sampler.replica, out.sampler.replicas, name) == (0, 1, None)
+    for bad in ("4/4", "-1/2", "1", "a/b"):
+        with pytest.raises(ConfigError):
+            _replica(SimpleNamespace(role="sampler", replica=bad, name=None), cfg)
+
+
+def test_launcher_runs_echo_replicas_as_separate_processes(tmp_path):
+    cfg = tmp_path / "echo.toml"
+    cfg.write_text(f'[run]\nrun_id = "launch-replicas"\nrun_dir = "{tmp_path / "run"}"\n')
+    proc, status = launch(tmp_path, cfg, f"sqlite:///{tmp_path}/events.db", "--roles", "echo",
+                          "--replicas", "echo=2")
+    log = tmp_path / "launcher.log"
+    try:
+        roles = wait_for("two echo replicas", lambda: (r := read_status(status).get("roles", {}))
+                         and all(s["alive"] for s in r.values()) and r, 30, log)
+        assert sorted(roles) == ["echo-0", "echo-1"]
+        assert roles["echo-0"]["pid"] != roles["echo-1"]["pid"]
+    finally:
+        code = stop_launcher(proc, log)
+    assert code == 0, log.read_text()[-3000:]

@@ -80,3 +80,37 @@ def test_open_segments_are_allowed_on_top():
     gate = StalenessGate(max_staleness=0, steps_per_version=256, in_flight=8 * 16)
     assert gate.capacity(0) == 256 + 128
     assert gate.capacity(3, 1000) == 1000 + 256 + 128
+
+
+def test_many_samplers_each_admit_their_share():
+    """4 samplers of 8 slots, segments of up to 16 steps, batches of 256, max_staleness 2."""
+    gate = StalenessGate(max_staleness=2, steps_per_version=256, in_flight=8 * 16, replicas=4)
+    # capacity(0) = 0 + (2 + 1) * 256 + 4 * 128 = 768 + 512 = 1280; share = 1280 // 4 = 320
+    assert gate.capacity(0) == 1280
+    assert gate.share(0) == 320
+    assert gate.may_sample(319, 0) and not gate.may_sample(320, 0)
+    # all four at their share: 4 * 320 = 1280 steps, the single-sampler bound for 4 * 8 slots
+    one_big = StalenessGate(max_staleness=2, steps_per_version=256, in_flight=4 * 8 * 16)
+    assert 4 * gate.share(0) == one_big.capacity(0) == 1280
+    # learner at v5 having consumed 1000: max(5 * 256, 1000) = 1280; + 1280 = 2560; / 4 = 640
+    assert gate.share(5, 1000) == 640
+    # v3, consumed 1000: max(768, 1000) = 1000; + 1280 = 2280; // 4 = 570
+    assert gate.share(3, 1000) == 570
+    assert gate.may_sample(569, 3, 1000) and not gate.may_sample(570, 3, 1000)
+
+
+def test_shares_never_add_up_past_the_capacity():
+    # 3 samplers, max_staleness 1, batches of 100, 10 in flight each:
+    # capacity(0) = 2 * 100 + 3 * 10 = 230; share = 230 // 3 = 76 (76.7 rounded down)
+    gate = StalenessGate(max_staleness=1, steps_per_version=100, in_flight=10, replicas=3)
+    assert gate.capacity(0) == 230 and gate.share(0) == 76
+    assert gate.may_sample(75, 0) and not gate.may_sample(76, 0)
+    assert 3 * gate.share(0) == 228 <= gate.capacity(0)
+    # one sampler: the share is the whole capacity (the rule as it always was)
+    single = StalenessGate(max_staleness=1, steps_per_version=100, in_flight=10)
+    assert single.share(0) == single.capacity(0) == 210
+
+
+def test_rejects_zero_replicas():
+    with pytest.raises(ValueError):
+        StalenessGate(max_staleness=1, steps_per_version=1, replicas=0)

@@ -52,7 +52,12 @@ def _parser() -> argparse.ArgumentParser:
     actor.add_argument("--config", required=True,
                        help="TOML config file, or a run's recorded RUN_DIR/config.json")
     actor.add_argument("--bus", help="bus URL (default: config bus.url or the embedded log)")
-    actor.add_argument("--name", help="actor name (default: the role)")
+    actor.add_argument("--name", help="actor name (default: the role, or ROLE-I with "
+                       "--replica I/N)")
+    actor.add_argument("--replica", metavar="I/N",
+                       help="this process is replica I (0-based) of N of its role, e.g. "
+                       "--replica 2/4 for the third of four samplers: its seeds, ids, "
+                       "policy-version group and staleness share derive from it")
     actor.add_argument("--run-dir", help="override run.run_dir")
     actor.add_argument("--metrics-port", type=int, metavar="PORT",
                        help="serve Prometheus metrics at http://0.0.0.0:PORT/metrics and "
@@ -140,12 +145,36 @@ def _config(args):
     return cfg
 
 
+def _replica(args, cfg):
+    """``--replica I/N``: the config and actor name of replica I of N of a role.
+
+    A sampler replica gets ``sampler.replica = I``, ``sampler.replicas = N`` (its seeds,
+    and its share of the staleness budget); every replica is named ``ROLE-I`` unless
+    ``--name`` says otherwise (its trajectory ids, and a sampler's own consumer group).
+    """
+    if not args.replica:
+        return cfg, args.name
+    index, _, count = args.replica.partition("/")
+    try:
+        replica, replicas = int(index), int(count)
+    except ValueError:
+        replica = replicas = -1
+    if not 0 <= replica < replicas:
+        raise ConfigError(f"--replica {args.replica!r}: give I/N with 0 <= I < N, e.g. 0/4")
+    if args.role == "sampler":
+        import msgspec
+
+        cfg = msgspec.structs.replace(cfg, sampler=msgspec.structs.replace(
+            cfg.sampler, replica=replica, replicas=replicas))
+    return cfg, args.name or f"{args.role}-{replica}"
+
+
 def _dispatch(args) -> int:
     from gyre_async.runtime.process import run_actor, run_main
 
     if args.command == "actor":
-        cfg = _config(args)
-        run_main(lambda: run_actor(args.role, cfg, args.bus, args.name, args.metrics_port))
+        cfg, name = _replica(args, _config(args))
+        run_main(lambda: run_actor(args.role, cfg, args.bus, name, args.metrics_port))
         return 0
     if args.command == "run":
         from gyre_async.runtime.loop import run_loop

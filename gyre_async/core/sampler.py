@@ -6,11 +6,21 @@ stamped with the policy version that chose the action. Bounded staleness (see
 ``gyre_async.rl.staleness``):
 
 - a step is admitted only while steps_emitted < (learner_version + max_staleness + 1) *
-  steps_per_version (the learner's pace throttles sampling);
+  steps_per_version (the learner's pace throttles sampling; the exact rule, and each
+  replica's share of it when several samplers run, is ``StalenessGate.may_sample``);
 - the sampler pauses while its loaded policy is more than max_staleness versions behind.
 
 In ``sync`` mode each version samples exactly one episode per slot, then waits for the next
-version: the strict sample-then-train baseline. A slow or hung environment step ends only
+version: the strict sample-then-train baseline.
+
+Many samplers in one run (``sampler.replicas = N``, this one ``sampler.replica = i``): each
+admits its share of the run's staleness budget (``StalenessGate.share``), and nothing two
+replicas make can collide. Trajectory ids are ``<actor name>-<incarnation>-<episode>``
+(distinct names, and a fresh random incarnation per process start); seeds of replica ``i``
+are ``train_seed_start + N * k + i`` with ``k`` in ``[0, 10**7 // N)``: each replica owns
+one residue class modulo ``N``, so two replicas never play the same task. Within one
+incarnation ``k`` counts up from a random start (per GRPO group), so its seeds repeat only
+after ``10**7 // N`` groups. A slow or hung environment step ends only
 its own trajectory (an ``EnvError``; the segmenter closes the trajectory as truncated).
 
 No bus here: events go to the ``publish`` callback given to :meth:`SamplerCore.run`, and
@@ -35,11 +45,15 @@ from gyre_async.core.rollout import ActionBatcher, PolicyHolder, StepRecord, run
 from gyre_async.envs import make_env
 from gyre_async.envs.base import Env
 from gyre_async.envs.macros import step_fields, with_macros
+from gyre_async.errors import ConfigError
 from gyre_async.policy.context import ContextBuilder
 from gyre_async.rl.staleness import StalenessGate
 from schemas import Event, event_id
 from schemas.config import Config
 from schemas.events import EnvError, Milestone, PolicyVersion, TrajectoryStep
+
+#: Training seeds lie in ``[train_seed_start, train_seed_start + SEED_SPAN)``.
+SEED_SPAN = 10**7
 
 
 @dataclass(frozen=True)
@@ -57,9 +71,15 @@ class SamplerCore:
         self.cfg = cfg
         self.holder = holder
         self.builder = builder
+        self.replicas = cfg.sampler.replicas
+        self.replica = cfg.sampler.replica
+        if not 0 <= self.replica < self.replicas:
+            raise ConfigError(f"sampler.replica {self.replica} of sampler.replicas "
+                              f"{self.replicas}: give --replica I/N with 0 <= I < N")
         self.gate = StalenessGate(0 if cfg.run.mode == "sync" else cfg.loop.max_staleness,
                                   cfg.learner.batch_steps,
-                                  cfg.sampler.num_envs * cfg.segmenter.max_segment_steps)
+                                  cfg.sampler.num_envs * cfg.segmenter.max_segment_steps,
+                                  replicas=self.replicas)
         self.learner_version = -1
         self.learner_consumed = 0  # steps the learner trained on or dropped (the gate's base)
         self.steps_emitted = 0
@@ -67,6 +87,8 @@ class SamplerCore:
         self.env_errors = 0
         self.paused_s = 0.0
         self.incarnation = uuid.uuid4().hex[:8]  # trajectory ids never repeat across restarts
+        self._seed_span = SEED_SPAN // self.replicas
+        self._seed_base = int(event_id(self.incarnation)[:8], 16) % self._seed_span
         self._version_seen = asyncio.Condition()
 
     @classmethod
@@ -88,6 +110,16 @@ class SamplerCore:
                 if event.reason != "rollback" else event.version
             self.learner_consumed = max(self.learner_consumed, event.consumed_steps)
             self._version_seen.notify_all()
+
+    def resume(self, steps_emitted: int) -> None:
+        """Count the steps an earlier incarnation of this sampler (same name) published, so
+        a restart goes on from its place under the gate instead of a fresh budget."""
+        self.steps_emitted = max(self.steps_emitted, steps_emitted)
+
+    def seed_of(self, group: int) -> int:
+        """The environment seed of GRPO group ``group`` (see the module docstring)."""
+        k = (self._seed_base + group) % self._seed_span
+        return self.cfg.task.train_seed_start + self.replicas * k + self.replica
 
     async def _admit(self) -> None:
         """Wait until the staleness gate admits one more step."""
@@ -116,7 +148,7 @@ class SamplerCore:
         sampler = self.cfg.sampler
         params = sampling_params_at(self.cfg, max(self.holder.version, 0))
         batcher = ActionBatcher(self.holder, params, wait_s=sampler.batch_wait_s,
-                                seed=self.cfg.run.seed)
+                                seed=self.cfg.run.seed * self.replicas + self.replica)
         shared = _Run(producer, publish, stopping, batcher)
         slots = [asyncio.create_task(self._slot(shared), name=f"{producer}-slot-{i}")
                  for i in range(sampler.num_envs)]
@@ -153,7 +185,7 @@ class SamplerCore:
         n = self.episodes
         self.episodes += 1
         group = n // cfg.sampler.group_size  # consecutive episodes share a task (GRPO group)
-        seed = cfg.task.train_seed_start + int(event_id(self.incarnation, group)[:8], 16) % 10**7
+        seed = self.seed_of(group)
         tid = f"{shared.producer}-{self.incarnation}-{n}"
         task_id = f"{cfg.task.env}:{seed}"
 
@@ -181,6 +213,7 @@ class SamplerCore:
     def stats(self) -> dict[str, float]:
         return {"episodes": float(self.episodes), "steps": float(self.steps_emitted),
                 "policy_version": float(self.holder.version),
+                "replica": float(self.replica),
                 "env_errors": float(self.env_errors), "paused_s": self.paused_s,
                 **exploration_stats(self.holder)}
 
@@ -209,7 +242,10 @@ class UnfinishedTrajectories:
 
     A sampler that died mid-episode can never finish those episodes; without an end their
     open segments would pin the segmenter's commit floor forever. Each gets an ``EnvError``
-    (the segmenter closes it as truncated); nothing is lost or invented.
+    (the segmenter closes it as truncated); nothing is lost or invented. Fold only the
+    events of one sampler (one actor name): with many samplers in a run, a restarted replica
+    ends its own open trajectories, never another replica's. ``steps`` counts what that
+    sampler published, each step once (redelivered copies too), for :meth:`SamplerCore.resume`.
     """
 
     def __init__(self) -> None:
@@ -218,12 +254,18 @@ class UnfinishedTrajectories:
 
     def fold(self, event: Event) -> None:
         match event:
-            case TrajectoryStep() if event.done or event.truncated:
-                self._ended.add(event.trajectory_id)
             case TrajectoryStep():
-                self._last[event.trajectory_id] = (event.task_id, event.step_index)
+                _, last = self._last.get(event.trajectory_id, ("", -1))
+                self._last[event.trajectory_id] = (event.task_id, max(last, event.step_index))
+                if event.done or event.truncated:
+                    self._ended.add(event.trajectory_id)
             case EnvError():
                 self._ended.add(event.trajectory_id)
+
+    @property
+    def steps(self) -> int:
+        """Steps published: steps are numbered from 0 without gaps in each trajectory."""
+        return sum(last + 1 for _, last in self._last.values())
 
     def abandoned(self, run_id: str, producer: str) -> list[EnvError]:
         return [EnvError(

@@ -21,6 +21,25 @@ the learner short of a batch with the sampler at its cap::
     is_stale(s, v)           <=>  v - s > max_staleness        (sample made by version s)
     sampler_must_pause(s, v) <=>  v - s > max_staleness        (sampler acting with version s)
 
+Many samplers (``replicas`` processes, each with its own ``in_flight`` of open segments):
+the budget above is for the whole run, but each sampler counts only the steps *it* emitted
+(counting the others' would need a read of every sampler's output, live). So each takes a
+fixed share, and ``in_flight`` counts once per replica::
+
+    capacity(v, c)           =   max(v * steps_per_version, c)
+                                 + (max_staleness + 1) * steps_per_version
+                                 + replicas * in_flight
+    share(v, c)              =   capacity(v, c) // replicas
+    may_sample(n_i, v, c)    <=>  n_i < share(v, c)            (n_i: steps of sampler i)
+
+so ``sum_i n_i <= replicas * share <= capacity``: the run as a whole stays inside the
+single-sampler bound, and with ``replicas = 1`` nothing changes. The price of a fixed share:
+a replica that is slower than the others, or down, leaves its share unused, and the others
+wait at theirs for the learner (which still consumes whatever the slow one delivers); a
+replica that stays down for good stalls the rest once the learner has consumed the
+headroom. Run exactly ``replicas`` sampler processes (``gyre launch --replicas
+sampler=N`` does; the launcher restarts a dead one).
+
 Known limit: the sampler learns the consumed count only from the next ``policy-version``,
 so drops since the last version do not reopen the gate until then. With ``max_staleness``
 >= 1 the ``(max_staleness + 1)`` batches of headroom cover that; an *async* run with
@@ -39,27 +58,37 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class StalenessGate:
-    """The admission rule above; ``max_staleness >= 0``, ``steps_per_version >= 1``."""
+    """The admission rule above; ``max_staleness >= 0``, ``steps_per_version >= 1``,
+    ``replicas >= 1``; ``in_flight`` is per replica."""
 
     max_staleness: int
     steps_per_version: int
     in_flight: int = 0
+    replicas: int = 1
 
     def __post_init__(self) -> None:
         if self.max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
         if self.steps_per_version < 1:
             raise ValueError(f"steps_per_version must be >= 1, got {self.steps_per_version}")
+        if self.replicas < 1:
+            raise ValueError(f"replicas must be >= 1, got {self.replicas}")
 
     def capacity(self, learner_version: int, consumed: int = 0) -> int:
-        """Total steps that may have been emitted while the learner is at this version,
-        having consumed (trained on or dropped) ``consumed`` steps."""
-        ahead = (self.max_staleness + 1) * self.steps_per_version + self.in_flight
+        """Total steps that all samplers together may have emitted while the learner is at
+        this version, having consumed (trained on or dropped) ``consumed`` steps."""
+        ahead = ((self.max_staleness + 1) * self.steps_per_version
+                 + self.replicas * self.in_flight)
         return max(learner_version * self.steps_per_version, consumed) + ahead
 
+    def share(self, learner_version: int, consumed: int = 0) -> int:
+        """Steps one of the ``replicas`` samplers may have emitted: ``capacity // replicas``."""
+        return self.capacity(learner_version, consumed) // self.replicas
+
     def may_sample(self, steps_emitted: int, learner_version: int, consumed: int = 0) -> bool:
-        """True iff one more step may be emitted: ``steps_emitted < capacity(v, c)``."""
-        return steps_emitted < self.capacity(learner_version, consumed)
+        """True iff this sampler may emit one more step: ``steps_emitted < share(v, c)``
+        (``steps_emitted``: this sampler's own count)."""
+        return steps_emitted < self.share(learner_version, consumed)
 
     def is_stale(self, sample_version: int, learner_version: int) -> bool:
         """True iff a sample made by ``sample_version`` is too old to train on now."""

@@ -59,6 +59,10 @@ class Actor:
     #: at most this many records per batch (outputs are published once per batch): an actor
     #: whose handler takes long (an evaluation) sets 1 so each result goes out when it exists
     max_batch: ClassVar[int | None] = None
+    #: every process of the role must read *every* input record (the samplers' policy
+    #: versions): each consumes in a group named after itself, ``<run_id>.<name>``, instead
+    #: of the role's shared group, which splits partitions between its processes
+    group_per_name: ClassVar[bool] = False
 
     runner: ActorRunner
 
@@ -121,7 +125,7 @@ class ActorRunner:
         self.bus = bus
         self.run_id = run_id
         self.name = name or actor.role
-        self.group = group or f"{run_id}.{actor.role}"
+        self.group = group or f"{run_id}.{self.name if actor.group_per_name else actor.role}"
         self.max_in_flight = min(max_in_flight, actor.max_batch or max_in_flight)
         self.heartbeat_s = heartbeat_s
         self.max_retries = max_retries

@@ -26,7 +26,14 @@ Behaviour:
   at once. On Linux each child also gets SIGTERM if the launcher itself dies (PDEATHSIG),
   so a ``kill -9`` of the launcher leaves no orphans holding group memberships;
 - ``--status-file`` is rewritten atomically on every change: role -> pid, restarts, state,
-  last exit (for scripts, probes and tests that need a role's PID).
+  last exit (for scripts, probes and tests that need a role's PID);
+- ``--replicas sampler=4`` runs N processes of a role, named ``ROLE-0`` .. ``ROLE-(N-1)``
+  (``gyre actor ROLE --replica I/N``), each supervised on its own. Samplers scale by
+  environments (each replica its own seeds, ids, policy-version group and share of the
+  staleness budget). The other roles run once per run for now: the segment store has one
+  writer, and the segmenter's and arbiter's restart state is folded from their own outputs
+  at start, not per partition, so a partition that moves between two members mid-run
+  would be segmented or paid again (docs/bus.md, "Many samplers").
 """
 
 from __future__ import annotations
@@ -51,6 +58,8 @@ BACKOFF_BASE_S = 0.5
 BACKOFF_CAP_S = 10.0
 STABLE_AFTER_S = 60.0
 POLL_S = 0.2
+#: roles that may run as several processes (``--replicas``); the others hold the run's state
+REPLICABLE = ("sampler", "echo")
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -66,8 +75,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    "embedded log); kafka:// to spread roles over machines")
     p.add_argument("--roles", default=",".join(CORE_ROLES),
                    help=f"comma-separated roles (default: {','.join(CORE_ROLES)})")
+    p.add_argument("--replicas", default="", metavar="ROLE=N[,ROLE=N]",
+                   help="run N processes of a role, named ROLE-0..ROLE-(N-1), e.g. "
+                   f"sampler=4 (roles: {', '.join(REPLICABLE)}; default 1 each)")
     p.add_argument("--metrics-port-base", type=int, default=0, metavar="N",
-                   help="give role i (in --roles order) --metrics-port N+i (default: none)")
+                   help="give process i (in --roles order, replicas in turn) --metrics-port "
+                   "N+i (default: none)")
     p.add_argument("--max-restarts", type=int, default=10, metavar="N",
                    help="give up (exit 1) when a role needs more than N restarts in total "
                    "(default 10; negative: never give up)")
@@ -113,11 +126,31 @@ def backoff_s(streak: int) -> float:
     return min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2 ** max(0, streak - 1))
 
 
-def role_argv(role: str, args, port: int | None) -> list[str]:
+def parse_replicas(text: str, roles: list[str]) -> dict[str, int]:
+    """``sampler=4,echo=2`` -> counts per role (1 for the rest); ValueError says why."""
+    counts = dict.fromkeys(roles, 1)
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        role, _, count = item.partition("=")
+        if role not in roles:
+            raise ValueError(f"{item!r}: {role!r} is not among --roles")
+        if role not in REPLICABLE:
+            raise ValueError(f"{item!r}: {role} runs once per run (replicable: "
+                             f"{', '.join(REPLICABLE)})")
+        if not count.isdigit() or int(count) < 1:
+            raise ValueError(f"{item!r}: give ROLE=N with N >= 1")
+        counts[role] = int(count)
+    return counts
+
+
+def role_argv(role: str, args, port: int | None,
+              replica: tuple[int, int] | None = None) -> list[str]:
+    """``gyre actor ROLE ...`` for one process; ``replica`` (I, N) adds ``--replica I/N``."""
     argv = [sys.executable, "-m", "gyre_async.cli"]
     if getattr(args, "log_level", None):
         argv += ["--log-level", args.log_level]
     argv += ["actor", role, "--config", args.config]
+    if replica is not None:
+        argv += ["--replica", f"{replica[0]}/{replica[1]}"]
     if args.bus:
         argv += ["--bus", args.bus]
     if getattr(args, "run_dir", None):
@@ -318,9 +351,21 @@ def run(args) -> int:
         print(f"gyre launch: --roles {args.roles!r}: give distinct roles from "
               f"{', '.join(sorted(ROLES))}", file=sys.stderr)
         return 2
+    try:
+        counts = parse_replicas(getattr(args, "replicas", ""), names)
+    except ValueError as exc:
+        print(f"gyre launch: --replicas {exc}", file=sys.stderr)
+        return 2
     base = args.metrics_port_base
-    roles = [Role(name, role_argv(name, args, base + i if base else None))
-             for i, name in enumerate(names)]
+    roles = []
+    for name in names:
+        for index in range(counts[name]):
+            port = base + len(roles) if base else None
+            if counts[name] == 1:
+                roles.append(Role(name, role_argv(name, args, port)))
+            else:
+                roles.append(Role(f"{name}-{index}",
+                                  role_argv(name, args, port, (index, counts[name]))))
     return Launcher(roles, max_restarts=args.max_restarts, stop_timeout=args.stop_timeout,
                     status_file=args.status_file).run()
 

@@ -435,11 +435,9 @@ def _actor(role: str, tmp_path, tiny: TinyConfig):
 
         return Arbiter(ArbiterConfig()), SEGMENT_CLOSED
     if role == "learner":
-        from conftest import TinyConfig
-
         from actors.learner import Learner
 
-        cfg = TinyConfig(tmp_path).config(run={"run_dir": str(tmp_path), "run_id": "t"})
+        cfg = tiny.config(run={"run_dir": str(tmp_path), "run_id": "t"})
         return Learner(cfg), SCORED
     from actors.segmenter import Segmenter
     from schemas.config import SegmenterConfig

@@ -251,7 +251,7 @@ def _interleavings(by_topic: list[list], count: int, seed: int = 0):
 
 
 @pytest.mark.parametrize("followed", [True, False])
-def test_the_restart_fold_does_not_depend_on_the_order_between_topics(tiny, followed):
+def test_the_restart_fold_does_not_depend_on_the_order_between_topics(tmp_path, tiny, followed):
     """A restart reads ``keeper``, ``policy-version`` and ``eval`` interleaved in any order;
     every order gives the same slots, order count, pending order, floor and best."""
     from gyre_async.core.keeper import KeeperCore

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from test_loop_e2e import tiny_config
+from conftest import TinyConfig
 
 from gyre_async.audit.archive import archive
 from gyre_async.bus import open_bus
@@ -26,13 +26,11 @@ GYRE = [sys.executable, "-m", "gyre_async.cli"]
 
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("finished") / "run"
-    cfg = tiny_config(run_dir)
+    tiny = TinyConfig(tmp_path_factory.mktemp("finished"))
+    cfg = tiny.config()
+    run_dir = Path(cfg.run.run_dir)
     asyncio.run(run_loop(cfg, progress=False))
-    cfg_path = run_dir / "run.toml"
-    cfg_path.write_text((ROOT / "ops/configs/tiny.toml").read_text()
-                        .replace('run_dir = "runs/tiny"', f'run_dir = "{run_dir}"'))
-    return run_dir, cfg_path
+    return run_dir, tiny.write(run_dir / "run.toml")
 
 
 def gyre(*args, timeout=180):

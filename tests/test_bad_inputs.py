@@ -24,13 +24,12 @@ import msgspec
 import numpy as np
 import pytest
 import torch
-from test_loop_e2e import TINY
+from conftest import TinyConfig
 
 from actors.echo import EchoActor
 from actors.learner import Learner
 from gyre_async.bus import open_bus
 from gyre_async.bus.reading import read_topics
-from gyre_async.config import load_config
 from gyre_async.core.learner import LearnerCore
 from gyre_async.core.segmenter import ClosedSegment, segment_arrays
 from gyre_async.rl.finite import NonFiniteBatch
@@ -70,12 +69,11 @@ async def test_unknown_event_type_is_dead_lettered_naming_it(tmp_path):
 
 # -- NaN / inf never reach the optimizer -----------------------------------------------------
 
-def tiny_learner_config(run_dir, batch_steps: int = 8):
-    cfg = load_config(TINY)
-    r = msgspec.structs.replace
-    return r(cfg, run=r(cfg.run, run_dir=str(run_dir)),
-             learner=r(cfg.learner, batch_steps=batch_steps, minibatch_steps=batch_steps,
-                       max_versions=0))
+def tiny_learner_config(tiny: TinyConfig, batch_steps: int = 8):
+    """The tiny config with its run directory at the test's own folder and small batches."""
+    return tiny.config(run={"run_dir": str(tiny.tmp_path)},
+                       learner={"batch_steps": batch_steps, "minibatch_steps": batch_steps,
+                                "max_versions": 0})
 
 
 def make_steps(tid: str, n: int) -> tuple[TrajectoryStep, ...]:
@@ -101,8 +99,8 @@ def store_segment(store: SegmentStore, tid: str, n: int = 4, nan_logprob: bool =
                   decided_by="outcome")
 
 
-async def test_nan_rewards_and_logprobs_are_refused_visibly_and_learner_goes_on(tmp_path):
-    cfg = tiny_learner_config(tmp_path)
+async def test_nan_rewards_and_logprobs_are_refused_visibly_and_learner_goes_on(tmp_path, tiny):
+    cfg = tiny_learner_config(tiny)
     store = SegmentStore(str(tmp_path / "segments.zarr"))
     clean_a = store_segment(store, "traj-a")
     poisoned = store_segment(store, "traj-b", nan_logprob=True)
@@ -144,8 +142,8 @@ async def test_nan_rewards_and_logprobs_are_refused_visibly_and_learner_goes_on(
     assert changed, "the clean batch should have moved the weights"
 
 
-def test_non_finite_values_refused_before_any_optimizer_step(tmp_path):
-    cfg = tiny_learner_config(tmp_path)
+def test_non_finite_values_refused_before_any_optimizer_step(tmp_path, tiny):
+    cfg = tiny_learner_config(tiny)
     learner = Learner(cfg)
     core: LearnerCore = learner.core
     store = SegmentStore(str(tmp_path / "segments.zarr"))
@@ -179,8 +177,8 @@ async def _run_until(runner: ActorRunner, done, timeout: float = 60) -> None:
     await task
 
 
-async def test_corrupt_segment_is_refused_and_the_rest_of_its_batch_trains(tmp_path):
-    cfg = tiny_learner_config(tmp_path, batch_steps=12)
+async def test_corrupt_segment_is_refused_and_the_rest_of_its_batch_trains(tmp_path, tiny):
+    cfg = tiny_learner_config(tiny, batch_steps=12)
     store = SegmentStore(str(tmp_path / "segments.zarr"))
     clean = [store_segment(store, t) for t in ("traj-a", "traj-b")]
     # a segment alone in its own arrays (wider context), whose chunks then rot on disk
@@ -213,12 +211,12 @@ async def test_corrupt_segment_is_refused_and_the_rest_of_its_batch_trains(tmp_p
     assert versions[-1].trained_segments == [s.segment_id for s in (*clean, more)]
 
 
-async def test_policy_version_with_wrong_hash_is_dead_lettered_by_the_sampler(tmp_path):
+async def test_policy_version_with_wrong_hash_is_dead_lettered_by_the_sampler(tmp_path, tiny):
     from actors.sampler import Sampler
     from gyre_async.policy.factory import save_weights
     from gyre_async.storage.checkpoints import CheckpointStore
 
-    cfg = tiny_learner_config(tmp_path)
+    cfg = tiny_learner_config(tiny)
     sampler = Sampler(cfg)
     ref = save_weights(CheckpointStore(str(tmp_path / "checkpoints")), sampler.holder.policy, 0,
                        {"run_id": "tiny"})
@@ -240,13 +238,13 @@ async def test_policy_version_with_wrong_hash_is_dead_lettered_by_the_sampler(tm
 
 # -- redelivery after a lost commit (Kafka's publish-then-commit window) -----------------------
 
-async def test_restarted_learner_does_not_train_redelivered_segments_again(tmp_path):
+async def test_restarted_learner_does_not_train_redelivered_segments_again(tmp_path, tiny):
     """A learner that published version 1 and died before committing its inputs gets them
     again; it must not put them in a second batch. The lost commit is made real by
     deleting the group's committed offsets from the embedded log."""
     import sqlite3
 
-    cfg = tiny_learner_config(tmp_path)
+    cfg = tiny_learner_config(tiny)
     store = SegmentStore(str(tmp_path / "segments.zarr"))
     first = [store_segment(store, t) for t in ("traj-a", "traj-b")]
     url = f"sqlite:///{tmp_path}/events.db"

@@ -31,7 +31,6 @@ from schemas.topics import POLICY_VERSION, TRAJECTORY_STEP
 pytestmark = pytest.mark.slow  # minutes, not seconds: the full tier only
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ROOT / "ops" / "configs" / "tiny.toml"
 ROLES = ("learner", "segmenter", "arbiter", "sampler")
 
 
@@ -64,7 +63,7 @@ def _wait(url: str, run_id: str, versions: int, steps: int, timeout: float, proc
 
 
 @pytest.mark.kafka
-def test_noida_restart_mid_run_actors_reconnect_and_invariants_hold(tmp_path, unique):
+def test_noida_restart_mid_run_actors_reconnect_and_invariants_hold(tmp_path, tiny, unique):
     from brokers import free_port, start_broker
 
     port = free_port()
@@ -73,11 +72,8 @@ def test_noida_restart_mid_run_actors_reconnect_and_invariants_hold(tmp_path, un
     url = broker.url
     run_id = f"restart-{unique}"
     run_dir = tmp_path / "run"
-    text = TINY.read_text().replace('run_dir = "runs/tiny"', f'run_dir = "{run_dir}"')
-    text = text.replace('run_id = "tiny"', f'run_id = "{run_id}"')
-    text = text.replace("max_versions = 4", "max_versions = 0")
-    cfg = tmp_path / "tiny.toml"
-    cfg.write_text(text.replace("batch_steps = 256", "batch_steps = 96"))
+    cfg = tiny.write(run={"run_id": run_id},
+                     learner={"max_versions": 0, "batch_steps": 96})
     log_path = tmp_path / "actors.log"
     try:
         before, after, codes, report = _run_with_restart(broker, port, data, cfg, url,

@@ -11,22 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import time
-from pathlib import Path
-
-import msgspec
 
 from actors.evaluator import Evaluator
 from gyre_async.bus import open_bus
 from gyre_async.bus.reading import read_topics
 from gyre_async.compose import build_policy, build_tokenizer, save_weights
-from gyre_async.config import load_config
 from gyre_async.runtime.actor import ActorRunner
 from gyre_async.storage.checkpoints import CheckpointStore
 from schemas import decode, encode, event_id
 from schemas.events import PolicyVersion
 from schemas.topics import ALL_TOPICS, EVAL, POLICY_VERSION
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 async def _scenario(cfg, url: str) -> tuple[int, int]:
@@ -62,11 +56,9 @@ async def _scenario(cfg, url: str) -> tuple[int, int]:
             await task
 
 
-def test_each_evaluation_is_published_when_it_finishes(tmp_path):
-    cfg = load_config(str(ROOT / "ops/configs/tiny.toml"))
-    r = msgspec.structs.replace
-    cfg = r(cfg, run=r(cfg.run, run_dir=str(tmp_path / "run"), run_id="evalpub"),
-            evaluator=r(cfg.evaluator, every_versions=1, episodes=32, greedy=False))
+def test_each_evaluation_is_published_when_it_finishes(tmp_path, tiny):
+    cfg = tiny.config(run={"run_id": "evalpub"},
+                      evaluator={"every_versions": 1, "episodes": 32, "greedy": False})
     first_sight, total = asyncio.run(_scenario(cfg, f"sqlite:///{tmp_path}/events.db"))
     assert total == 2
     assert first_sight == 1, "both results appeared together: they were held for the batch"

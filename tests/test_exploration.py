@@ -8,9 +8,9 @@ import math
 import time
 from pathlib import Path
 
-import msgspec
 import pytest
 import torch
+from conftest import TinyConfig
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -18,7 +18,6 @@ from actors.sampler import Sampler
 from gyre_async.bus import open_bus
 from gyre_async.bus.reading import read_events
 from gyre_async.compose import build_policy, build_tokenizer, save_weights
-from gyre_async.config import load_config
 from gyre_async.core.exploration import PerturbedPolicyHolder, sampling_params_at
 from gyre_async.core.probes import probe_contexts
 from gyre_async.policy.base import SamplingParams
@@ -31,16 +30,11 @@ from schemas import encode, event_id
 from schemas.events import PolicyVersion, TrajectoryStep
 from schemas.topics import ALL_TOPICS, POLICY_VERSION, TRAJECTORY_STEP
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = ROOT / "ops" / "configs" / "tiny.toml"
 
-
-def tiny(**exploration):
-    cfg = load_config(TINY)
-    s = cfg.sampler
-    return msgspec.structs.replace(cfg, sampler=msgspec.structs.replace(
-        s, temperature=1.6, top_p=1.0,
-        exploration=msgspec.structs.replace(s.exploration, **exploration)))
+def exploring(tiny: TinyConfig, num_envs: int = 8, **exploration):
+    """The tiny config sampling wide (temperature 1.6, top-p 1) with these exploration settings."""
+    return tiny.config(sampler={"num_envs": num_envs, "temperature": 1.6, "top_p": 1.0,
+                                "exploration": exploration})
 
 
 # -- schedule -------------------------------------------------------------------------------
@@ -58,17 +52,17 @@ def test_anneal_moves_monotonically_from_start_to_end(start, end, x, y, shape):
     assert min(start, end) - 1e-12 <= a <= max(start, end) + 1e-12
 
 
-def test_sampling_params_follow_the_policy_version():
-    cfg = tiny(temperature_end=0.6, top_p_end=0.8, anneal_versions=10, shape="linear")
+def test_sampling_params_follow_the_policy_version(tiny):
+    cfg = exploring(tiny, temperature_end=0.6, top_p_end=0.8, anneal_versions=10, shape="linear")
     assert sampling_params_at(cfg, 0) == SamplingParams(1.6, 1.0, cfg.policy.max_action_tokens)
     mid = sampling_params_at(cfg, 5)
     assert (mid.temperature, mid.top_p) == pytest.approx((1.1, 0.9))
     for v in (10, 11, 500):
         end = sampling_params_at(cfg, v)
         assert (end.temperature, end.top_p) == pytest.approx((0.6, 0.8))
-    cos = tiny(temperature_end=0.6, anneal_versions=10, shape="cosine")
+    cos = exploring(tiny, temperature_end=0.6, anneal_versions=10, shape="cosine")
     assert sampling_params_at(cos, 2).temperature > sampling_params_at(cfg, 2).temperature
-    assert sampling_params_at(tiny(), 1000).temperature == 1.6  # no schedule: constant
+    assert sampling_params_at(exploring(tiny), 1000).temperature == 1.6  # no schedule: constant
 
 
 # -- distances against slow references -----------------------------------------------------
@@ -153,9 +147,9 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-def test_param_noise_adapts_to_the_target_kl(tmp_path, one_thread):
+def test_param_noise_adapts_to_the_target_kl(tmp_path, tiny, one_thread):
     target = 0.05
-    cfg = tiny(param_noise_target_kl=target, param_noise_initial_std=0.004,
+    cfg = exploring(tiny, param_noise_target_kl=target, param_noise_initial_std=0.004,
                param_noise_adapt=1.15, param_noise_probe_contexts=32)
     ref, _ = _checkpoint(cfg, tmp_path, 0, seed=1)
     holder = PerturbedPolicyHolder(build_policy(cfg, build_tokenizer(cfg)), cfg, seed=3)
@@ -174,8 +168,8 @@ def test_param_noise_adapts_to_the_target_kl(tmp_path, one_thread):
     assert holder.noise.std > 0.004 * 1.15 ** 8
 
 
-def test_perturbed_actions_carry_the_perturbed_policys_logprobs(tmp_path):
-    cfg = tiny(param_noise_target_kl=0.05, param_noise_initial_std=0.05,
+def test_perturbed_actions_carry_the_perturbed_policys_logprobs(tmp_path, tiny):
+    cfg = exploring(tiny, param_noise_target_kl=0.05, param_noise_initial_std=0.05,
                temperature_end=0.7, top_p_end=0.9, anneal_versions=4)
     ref, clean = _checkpoint(cfg, tmp_path, 0, seed=2)
     holder = PerturbedPolicyHolder(build_policy(cfg, build_tokenizer(cfg)), cfg, seed=5)
@@ -206,15 +200,12 @@ def _pv(ref, version) -> PolicyVersion:
                          reason="update" if version else "init")
 
 
-def test_sampler_records_logprobs_of_the_annealed_distribution(tmp_path):
+def test_sampler_records_logprobs_of_the_annealed_distribution(tmp_path, tiny):
     """Steps of v0 are drawn at the start temperature, steps of v10 at the end one (with
     top-p): each recorded first-token log-prob equals the policy's at that version's
     scheduled temperature and top-p, recomputed here from the checkpoint. (Every step,
     including those of batches that were waiting while v10's weights loaded.)"""
-    cfg = tiny(temperature_end=0.5, top_p_end=0.9, anneal_versions=10)
-    cfg = msgspec.structs.replace(cfg, run=msgspec.structs.replace(
-        cfg.run, run_dir=str(tmp_path / "run")), sampler=msgspec.structs.replace(
-        cfg.sampler, num_envs=4))
+    cfg = exploring(tiny, num_envs=4, temperature_end=0.5, top_p_end=0.9, anneal_versions=10)
     ref0, policy0 = _checkpoint(cfg, tmp_path, 0, seed=1)
     ref10, policy10 = _checkpoint(cfg, tmp_path, 10, seed=2)
 

@@ -17,9 +17,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import msgspec
 import pytest
-from test_loop_e2e import tiny_config
+from conftest import TinyConfig
 
 from gyre_async.config import load_config
 from gyre_async.errors import ConfigError
@@ -34,9 +33,7 @@ def readme_run(tmp_path_factory):
     """A finished tiny run at <home>/runs/q; returns (home, run_dir, the config it ran with)."""
     home = tmp_path_factory.mktemp("home")
     run_dir = home / "runs" / "q"
-    cfg = tiny_config(run_dir)
-    cfg = msgspec.structs.replace(cfg, learner=msgspec.structs.replace(cfg.learner,
-                                                                       max_versions=2))
+    cfg = TinyConfig(home).config(run={"run_dir": str(run_dir)}, learner={"max_versions": 2})
     asyncio.run(run_loop(cfg, progress=False))
     return home, run_dir, cfg
 

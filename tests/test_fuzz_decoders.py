@@ -21,10 +21,10 @@ import os
 import random
 import time
 import typing
-from pathlib import Path
 
 import msgspec
 import pytest
+from conftest import TinyConfig
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -423,7 +423,7 @@ def _decodes(topic: str, value: bytes) -> bool:
     return True
 
 
-def _actor(role: str, tmp_path):
+def _actor(role: str, tmp_path, tiny: TinyConfig):
     if role == "echo":
         from actors.echo import EchoActor
         from schemas.config import EchoConfig
@@ -436,11 +436,8 @@ def _actor(role: str, tmp_path):
         return Arbiter(ArbiterConfig()), SEGMENT_CLOSED
     if role == "learner":
         from actors.learner import Learner
-        from gyre_async.config import load_config
 
-        cfg = load_config(Path(__file__).resolve().parents[1] / "ops" / "configs" / "tiny.toml")
-        cfg = msgspec.structs.replace(cfg, run=msgspec.structs.replace(
-            cfg.run, run_dir=str(tmp_path), run_id="t"))
+        cfg = tiny.config(run={"run_dir": str(tmp_path), "run_id": "t"})
         return Learner(cfg), SCORED
     from actors.segmenter import Segmenter
     from schemas.config import SegmenterConfig
@@ -451,12 +448,12 @@ def _actor(role: str, tmp_path):
 
 @pytest.mark.parametrize("role,seed", [("echo", 1), ("arbiter", 2), ("segmenter", 3),
                                        ("learner", 4)])
-async def test_actor_survives_fuzz_and_drops_nothing(role, seed, tmp_path):
+async def test_actor_survives_fuzz_and_drops_nothing(role, seed, tmp_path, tiny):
     from gyre_async.bus import open_bus
     from gyre_async.bus.reading import read_topics
     from gyre_async.runtime.actor import ActorRunner
 
-    actor, topic = _actor(role, tmp_path)
+    actor, topic = _actor(role, tmp_path, tiny)
     inputs = make_inputs(role, 300, seed)
     async with open_bus(f"sqlite:///{tmp_path}/events.db") as bus:
         await bus.create_topics([topic], 2)

@@ -14,7 +14,6 @@ import random
 import time
 from pathlib import Path
 
-import msgspec
 import numpy as np
 import pytest
 import torch
@@ -26,7 +25,6 @@ from actors.learner import Learner
 from gyre_async.bus import open_bus
 from gyre_async.bus.reading import read_events
 from gyre_async.compose import build_policy, build_tokenizer, save_weights
-from gyre_async.config import load_config
 from gyre_async.core.keeper_rules import drop_z, is_better, judge
 from gyre_async.core.keeper_slots import KeptSlots
 from gyre_async.runtime.actor import ActorRunner
@@ -43,9 +41,6 @@ from schemas.events import (
     Rollback,
 )
 from schemas.topics import ALL_TOPICS, EVAL, KEEPER, POLICY_VERSION
-
-ROOT = Path(__file__).resolve().parents[1]
-TINY = ROOT / "ops" / "configs" / "tiny.toml"
 
 
 def evaluation(version: int, success: float, episodes: int = 32, **milestones: float
@@ -102,13 +97,6 @@ def test_drop_z_degenerate_cases():
 
 # -- kept checkpoints: corruption and fallback -----------------------------------------------
 
-def _tiny(tmp_path: Path, **keeper):
-    cfg = load_config(TINY)
-    return msgspec.structs.replace(
-        cfg, run=msgspec.structs.replace(cfg.run, run_dir=str(tmp_path / "run")),
-        keeper=msgspec.structs.replace(cfg.keeper, **keeper))
-
-
 def _versions(cfg, directory: Path, steps: list[float]):
     """Checkpoints of one tiny policy after random moves of the given sizes (v0 = init)."""
     policy = build_policy(cfg, build_tokenizer(cfg))
@@ -137,8 +125,8 @@ def _path(address: str) -> Path:
     return local
 
 
-def test_restore_skips_corrupt_and_missing_slots(tmp_path):
-    cfg = _tiny(tmp_path)
+def test_restore_skips_corrupt_and_missing_slots(tmp_path, tiny):
+    cfg = tiny.config()
     refs, _ = _versions(cfg, tmp_path / "src", [0.01, 0.01])
     slots = KeptSlots(str(tmp_path / "kept"))
     src = CheckpointStore(str(tmp_path / "src"))
@@ -174,10 +162,10 @@ async def _wait_for(bus, topics, predicate, timeout: float = 60.0):
     raise AssertionError(f"timed out waiting on {topics}: {events}")
 
 
-def test_corrupt_best_checkpoint_falls_back_and_learner_follows(tmp_path):
+def test_corrupt_best_checkpoint_falls_back_and_learner_follows(tmp_path, tiny):
     """The best kept file is corrupted; a regression then restores the stable slot instead,
     with a checkpoint-fault event first; the learner publishes the rollback version."""
-    cfg = _tiny(tmp_path, large_update_kl=0.005)
+    cfg = tiny.config(keeper={"large_update_kl": 0.005})
     # v1 a small step (KL ~5e-5 on the probe set), v2 a large one (~0.02), v3 small.
     refs, states = _versions(cfg, tmp_path / "run" / "checkpoints", [0.001, 0.05, 0.001])
 
@@ -263,12 +251,12 @@ def _interleavings(by_topic: list[list], count: int, seed: int = 0):
 
 
 @pytest.mark.parametrize("followed", [True, False])
-def test_the_restart_fold_does_not_depend_on_the_order_between_topics(tmp_path, followed):
+def test_the_restart_fold_does_not_depend_on_the_order_between_topics(tmp_path, tiny, followed):
     """A restart reads ``keeper``, ``policy-version`` and ``eval`` interleaved in any order;
     every order gives the same slots, order count, pending order, floor and best."""
     from gyre_async.core.keeper import KeeperCore
 
-    cfg = _tiny(tmp_path)
+    cfg = tiny.config()
     ids = {"run_id": "tiny", "producer": "keeper", "key": "keeper"}
     kept = [KeptCheckpoint(event_id=f"k{v}", slot="best", version=v, address=f"a{v}",
                            sha256="h", **ids) for v in (1, 3)]
@@ -333,22 +321,17 @@ async def run_until_rollback_is_evaluated(cfg, timeout_s: float) -> None:
 
 
 @pytest.mark.slow
-def test_poisoned_update_is_rolled_back_and_validation_recovers(tmp_path):
+def test_poisoned_update_is_rolled_back_and_validation_recovers(tmp_path, tiny):
     """A 1000x learning-rate spike at v2 wrecks the policy; the keeper sees the regression
     in v2's validation, orders a rollback to the best version with the learning rate cut,
     the learner publishes it, and the rollback version's validation is back within noise
     of the best. Everything is read back from the run's event log."""
-    cfg = load_config(TINY)
-    cfg = msgspec.structs.replace(
-        cfg,
-        run=msgspec.structs.replace(cfg.run, run_dir=str(tmp_path / "run")),
+    cfg = tiny.config(
         # one order in up to 80 steps: the untrained policy already succeeds ~40% of the time
-        task=msgspec.structs.replace(cfg.task, env_config={"n_orders": 1, "max_steps": 80}),
-        learner=msgspec.structs.replace(cfg.learner, max_versions=3,
-                                        fault_lr_spike_version=2, fault_lr_spike_factor=1000.0),
-        evaluator=msgspec.structs.replace(cfg.evaluator, every_versions=1, episodes=32,
-                                          greedy=False),
-        keeper=msgspec.structs.replace(cfg.keeper, noise_k=2.0))
+        task={"env_config": {"n_orders": 1, "max_steps": 80}},
+        learner={"max_versions": 3, "fault_lr_spike_version": 2, "fault_lr_spike_factor": 1000.0},
+        evaluator={"every_versions": 1, "episodes": 32, "greedy": False},
+        keeper={"noise_k": 2.0})
     asyncio.run(run_until_rollback_is_evaluated(cfg, timeout_s=150))
 
     async def read():

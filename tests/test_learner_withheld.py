@@ -17,8 +17,8 @@ from schemas.events import PolicyVersion, RewardFailed
 from schemas.topics import POLICY_VERSION, SCORED
 
 
-async def test_withheld_final_segment_ends_its_episode_in_sync_mode(tmp_path):
-    cfg = tiny_learner_config(tmp_path, batch_steps=10_000)  # only episode ends can trigger
+async def test_withheld_final_segment_ends_its_episode_in_sync_mode(tmp_path, tiny):
+    cfg = tiny_learner_config(tiny, batch_steps=10_000)  # only episode ends can trigger
     r = msgspec.structs.replace
     cfg = r(cfg, run=r(cfg.run, mode="sync"), sampler=r(cfg.sampler, num_envs=2))
     store = SegmentStore(str(tmp_path / "segments.zarr"))

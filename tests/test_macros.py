@@ -4,7 +4,6 @@ the trajectory in a real run (with the elite pool and retention on)."""
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 import msgspec
 import pytest
@@ -13,7 +12,6 @@ from gyre_async.audit.replay import replay_learner
 from gyre_async.bus import open_bus
 from gyre_async.bus.reading import read_events
 from gyre_async.compose import action_token_ids, build_tokenizer
-from gyre_async.config import load_config
 from gyre_async.envs import WorkshopEnv
 from gyre_async.envs.macros import Macro, MacroEnv, env_steps_of, macros_from_config, with_macros
 from gyre_async.envs.workshop import make_orders
@@ -24,8 +22,6 @@ from gyre_async.storage.segments import SegmentStore
 from schemas.config import Config, MacroSection
 from schemas.events import PolicyVersion, SegmentClosed, SegmentDropped, TrajectoryStep
 from schemas.topics import POLICY_VERSION, SEGMENT_CLOSED, TELEMETRY, TRAJECTORY_STEP
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def seed_with_first_order(item: str, count: int, n_orders: int = 1) -> int:
@@ -106,17 +102,13 @@ max_primitive_steps = 8
 
 
 @pytest.mark.slow
-def test_run_with_macros_elite_and_retention(tmp_path):
+def test_run_with_macros_elite_and_retention(tmp_path, tiny):
     """A real run: macro decisions are trained on (tokens + log-probs of the name), their
     primitive steps recorded and counted; the elite pool persists; retention holds."""
-    cfg = load_config(ROOT / "ops/configs/tiny.toml")
-    r = msgspec.structs.replace
     bound = 150_000  # below what the run writes (about 200 kB)
-    cfg = r(cfg, run=r(cfg.run, run_dir=str(tmp_path)),
-            macros=MacroSection(builtin="workshop"),
-            elite=r(cfg.elite, capacity=8, mix_share=0.25, jump_threshold=1e-3),
-            segmenter=r(cfg.segmenter, retain_bytes=bound),
-            learner=r(cfg.learner, max_versions=5))
+    cfg = tiny.config(run={"run_dir": str(tmp_path)}, macros={"builtin": "workshop"},
+                      elite={"capacity": 8, "mix_share": 0.25, "jump_threshold": 1e-3},
+                      segmenter={"retain_bytes": bound}, learner={"max_versions": 5})
     summary = asyncio.run(run_loop(cfg, progress=False))
 
     async def read():

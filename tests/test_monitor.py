@@ -46,7 +46,6 @@ from schemas.events import (
 from schemas.topics import DEAD_LETTER, POLICY_VERSION, TRAJECTORY_STEP
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ROOT / "ops" / "configs" / "tiny.toml"
 T0 = 1_700_000_000.0
 
 
@@ -260,10 +259,9 @@ def _num(pattern: str, text: str) -> int:
 
 
 @pytest.mark.slow
-def test_monitor_in_a_pty_follows_a_running_loop(tmp_path):
+def test_monitor_in_a_pty_follows_a_running_loop(tmp_path, tiny):
     run_dir = tmp_path / "run"
-    cfg = tmp_path / "tiny.toml"
-    cfg.write_text(TINY.read_text().replace("max_versions = 4", "max_versions = 16"))
+    cfg = tiny.write(learner={"max_versions": 16})
     url = f"sqlite:///{run_dir}/events.db"
     env = {**os.environ, "PYTHONIOENCODING": "utf-8", "TERM": "xterm-256color",
            "COLUMNS": "160", "LINES": "80"}

@@ -22,11 +22,10 @@ import threading
 import time
 from pathlib import Path
 
-import msgspec
 import pytest
+from conftest import TinyConfig
 
 from gyre_async.bus import open_bus
-from gyre_async.config import load_config
 from gyre_async.runtime.loop import run_loop
 from gyre_async.ui.report import add_parser, build_report, run
 from schemas import encode
@@ -49,7 +48,6 @@ from schemas.topics import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ROOT / "ops" / "configs" / "tiny.toml"
 CHROMIUM = os.environ.get("GYRE_CHROMIUM", "/usr/bin/chromium")
 FIGURES = {"learning_curves", "reward_components", "staleness", "segments", "throughput",
            "learner"}
@@ -187,11 +185,9 @@ class Chromium:
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory) -> Path:
-    run_dir = tmp_path_factory.mktemp("report") / "run"
-    cfg = load_config(TINY)
-    cfg = msgspec.structs.replace(cfg, run=msgspec.structs.replace(cfg.run, run_dir=str(run_dir)))
+    cfg = TinyConfig(tmp_path_factory.mktemp("report")).config()
     asyncio.run(run_loop(cfg, progress=False))
-    return run_dir
+    return Path(cfg.run.run_dir)
 
 
 def _free_port() -> int:

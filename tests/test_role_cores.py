@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import msgspec
-from test_loop_e2e import TINY
-
-from gyre_async.config import load_config
 from gyre_async.core.evaluation import eval_trigger
 from gyre_async.core.sampler import UnfinishedTrajectories
 from gyre_async.core.segmenter import PendingWrites, SegmenterCore
@@ -61,8 +57,8 @@ def test_unfinished_trajectories_are_the_open_ones_each_ended_one_step_later():
     assert unfinished.abandoned("t", "sampler")[0].event_id == abandoned.event_id
 
 
-def test_which_versions_the_evaluator_validates_and_why():
-    cfg = load_config(TINY)  # every_versions = 2, on_reasons = ["warmstart"]
+def test_which_versions_the_evaluator_validates_and_why(tiny):
+    cfg = tiny.config()  # every_versions = 2, on_reasons = ["warmstart"]
     assert cfg.evaluator.every_versions == 2 and cfg.evaluator.on_reasons == ["warmstart"]
 
     def version(v: int, reason: str = "update", **metrics: float) -> PolicyVersion:
@@ -76,6 +72,5 @@ def test_which_versions_the_evaluator_validates_and_why():
     assert eval_trigger(cfg, version(3, final=1.0)) == "final"
     assert eval_trigger(cfg, version(3, "rollback")) == "reason:rollback"
     assert eval_trigger(cfg, version(1, "warmstart")) == "reason:warmstart"
-    every = msgspec.structs.replace(cfg, evaluator=msgspec.structs.replace(
-        cfg.evaluator, every_versions=0))  # 0 is read as 1: every version
+    every = tiny.config(evaluator={"every_versions": 0})  # 0 is read as 1: every version
     assert eval_trigger(every, version(3)) == "schedule"

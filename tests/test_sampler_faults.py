@@ -5,12 +5,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
-import msgspec
-from test_loop_e2e import TINY
-
 from gyre_async.bus import open_bus
 from gyre_async.bus.reading import read_topics
-from gyre_async.config import load_config
 from gyre_async.envs import register_env
 from gyre_async.envs.base import MAX_OBSERVATION_CHARS, Env, StepResult
 from gyre_async.envs.workshop import WorkshopEnv
@@ -49,14 +45,11 @@ class FaultyWorkshop(Env):
 register_env("faulty-workshop", FaultyWorkshop)
 
 
-def test_hung_and_crashing_envs_end_only_their_trajectory(tmp_path):
-    cfg = load_config(TINY)
-    r = msgspec.structs.replace
-    cfg = r(cfg, run=r(cfg.run, run_dir=str(tmp_path)),
-            task=r(cfg.task, env="faulty-workshop"),
-            sampler=r(cfg.sampler, step_timeout_s=0.3),
-            loop=r(cfg.loop, max_env_steps=640, max_wall_s=90),  # steps, not seconds: load-proof
-            learner=r(cfg.learner, max_versions=0))
+def test_hung_and_crashing_envs_end_only_their_trajectory(tmp_path, tiny):
+    cfg = tiny.config(run={"run_dir": str(tmp_path)}, task={"env": "faulty-workshop"},
+                      sampler={"step_timeout_s": 0.3},
+                      loop={"max_env_steps": 640, "max_wall_s": 90},  # steps, not seconds: load-proof
+                      learner={"max_versions": 0})
     asyncio.run(run_loop(cfg, progress=False,
                          roles=("sampler", "segmenter", "arbiter", "learner")))
 
@@ -88,15 +81,13 @@ def test_hung_and_crashing_envs_end_only_their_trajectory(tmp_path):
             assert mine and mine[-1].boundary == "trajectory-end" and not mine[-1].success
 
 
-def test_restarted_sampler_ends_trajectories_its_predecessor_left_open(tmp_path):
+def test_restarted_sampler_ends_trajectories_its_predecessor_left_open(tmp_path, tiny):
     from actors.sampler import Sampler
     from gyre_async.runtime.actor import ActorRunner
     from schemas import encode, event_id
     from schemas.topics import TRAJECTORY_STEP as TOPIC
 
-    cfg = load_config(TINY)
-    cfg = msgspec.structs.replace(cfg, run=msgspec.structs.replace(cfg.run,
-                                                                   run_dir=str(tmp_path)))
+    cfg = tiny.config(run={"run_dir": str(tmp_path)})
 
     def step(tid, i, done=False):
         return TrajectoryStep(event_id=event_id("s", tid, i), run_id="tiny", producer="sampler",
@@ -122,7 +113,7 @@ def test_restarted_sampler_ends_trajectories_its_predecessor_left_open(tmp_path)
     assert "abandoned" in errors[0].message
 
 
-def test_a_sampler_stopped_at_the_staleness_gate_leaves_no_exception_unretrieved(tmp_path):
+def test_a_sampler_stopped_at_the_staleness_gate_leaves_no_exception_unretrieved(tmp_path, tiny):
     """Stopping a sampler whose slots all wait at the staleness gate cancels them; every task
     (and gather) it started must be awaited to its end, or asyncio reports "exception was
     never retrieved" with a CancelledError traceback (once at the end of every ``gyre run``)."""
@@ -136,9 +127,7 @@ def test_a_sampler_stopped_at_the_staleness_gate_leaves_no_exception_unretrieved
     from schemas.events import PolicyVersion
     from schemas.topics import ALL_TOPICS, POLICY_VERSION
 
-    cfg = load_config(TINY)
-    cfg = msgspec.structs.replace(cfg, run=msgspec.structs.replace(cfg.run,
-                                                                   run_dir=str(tmp_path)))
+    cfg = tiny.config(run={"run_dir": str(tmp_path)})
     ref = save_weights(CheckpointStore(str(tmp_path / "checkpoints")),
                        build_policy(cfg, build_tokenizer(cfg)), 0)
     v0 = PolicyVersion(event_id=event_id("pv", 0), run_id="tiny", producer="test",

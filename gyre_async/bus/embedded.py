@@ -23,9 +23,9 @@ import os
 import sqlite3
 import time
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 from gyre_async import timing
 from gyre_async.bus.base import Bus, BusError, Consumer, Record, TopicInfo, TopicPartition, partition_for
@@ -45,13 +45,21 @@ CREATE TABLE IF NOT EXISTS members(grp TEXT, member TEXT, topics TEXT, heartbeat
 """
 
 
+#: Every connection's settings: the durability (WAL, synchronous=NORMAL) the module docstring
+#: promises. ``ops/bench/bus.py`` opens its raw-SQLite baseline with these same settings.
+SQLITE_PRAGMAS = (
+    "PRAGMA page_size=32768",
+    "PRAGMA journal_mode=WAL",
+    "PRAGMA synchronous=NORMAL",
+    "PRAGMA busy_timeout=60000",
+    "PRAGMA cache_size=-65536",
+)
+
+
 def _connect(path: str) -> sqlite3.Connection:
     conn = sqlite3.connect(path, timeout=60.0, isolation_level=None, check_same_thread=False)
-    conn.execute("PRAGMA page_size=32768")
-    conn.execute("PRAGMA journal_mode=WAL")
-    conn.execute("PRAGMA synchronous=NORMAL")
-    conn.execute("PRAGMA busy_timeout=60000")
-    conn.execute("PRAGMA cache_size=-65536")
+    for pragma in SQLITE_PRAGMAS:
+        conn.execute(pragma)
     return conn
 
 

@@ -27,6 +27,8 @@ with ``v``, ``t2`` = publication of ``v + 1``:
 - ``T_sample`` = ``t1 - t0``: wall time of the sampling phase (the slowest slot's episode);
 - ``T_learn``  = ``t2 - t1``: wall time of the learning phase (segmenting, scoring, the PPO
   update, checkpoint, publication: everything the sampler waits for);
+- ``T_learner_busy``: the learner's own busy seconds (:mod:`gyre_async.timing`) per update;
+  the rest of ``T_learn`` is segmenting, scoring and the hand-offs between roles;
 - ``T_sample_busy``: the mean over slots of (its episode's last step - ``t0``): the time a
   slot actually works. It equals ``T_sample`` when episodes are equally long; with a long
   tail most slots idle while the slowest finishes.
@@ -39,7 +41,9 @@ with the straggler wait kept (the two agree when there is no tail). ``achieved``
 env steps/s / sync env steps/s (each over its sampling span), and ``achieved_over_bound``
 = achieved / bound. The bound assumes sampling and learning use separate resources: on a
 shared 2-core machine the compute-bound setting cannot reach it. The busy-seconds
-counters of :mod:`gyre_async.timing` (policy, env, bus, codec, storage) are printed per run.
+counters of :mod:`gyre_async.timing` (policy, env, learner, bus, codec, storage), the
+process's CPU seconds per wall second and the sampler's seconds paused at the staleness gate
+are reported per run: they say where async loses against the bound.
 
 Last line: {"bench": "async_vs_sync", "seconds": ..., "settings": {name: {"async_steps_per_s",
 "sync_steps_per_s", "achieved", "bound", "bound_phases", "achieved_over_bound",
@@ -56,6 +60,7 @@ import random
 import statistics
 import sys
 import tempfile
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -73,8 +78,8 @@ from gyre_async.envs.base import EnvVocabulary  # noqa: E402
 from gyre_async.envs.workshop import ACTION_WORDS, VOCAB, WorkshopEnv  # noqa: E402
 from gyre_async.runtime.logs import configure_logging  # noqa: E402
 from gyre_async.runtime.loop import run_loop  # noqa: E402
-from schemas.events import PolicyVersion, TrajectoryStep  # noqa: E402
-from schemas.topics import POLICY_VERSION, TRAJECTORY_STEP  # noqa: E402
+from schemas.events import Heartbeat, PolicyVersion, TrajectoryStep  # noqa: E402
+from schemas.topics import POLICY_VERSION, TELEMETRY, TRAJECTORY_STEP  # noqa: E402
 
 SHORT = {"n_orders": 4, "max_steps": 64}
 SETTINGS: dict[str, dict] = {
@@ -114,19 +119,34 @@ def configure(cfg, mode: str, run_dir: str, seconds: float, setting: dict):
     )
 
 
-async def sync_phases(url: str) -> dict:
-    """Per-update phase times of a sync run, read back from its event log (see the top)."""
+async def read_back(url: str) -> dict:
+    """Per-update phase times (meaningful for a sync run: see the top) and the last
+    heartbeat of the sampler and the learner, read back from the run's event log."""
     published: dict[int, float] = {}
     steps: dict[int, dict[str, float]] = defaultdict(dict)  # version -> trajectory -> last ts
     counts: dict[int, int] = defaultdict(int)
+    beats: dict[str, Heartbeat] = {}
     async with open_bus(url) as bus:
-        async for _record, event in read_events(bus, [POLICY_VERSION, TRAJECTORY_STEP]):
+        async for _record, event in read_events(bus, [POLICY_VERSION, TRAJECTORY_STEP,
+                                                      TELEMETRY]):
             if isinstance(event, PolicyVersion):
                 published.setdefault(event.version, event.ts)
             elif isinstance(event, TrajectoryStep):
                 ends = steps[event.policy_version]
                 ends[event.trajectory_id] = max(ends.get(event.trajectory_id, 0.0), event.ts)
                 counts[event.policy_version] += 1
+            elif isinstance(event, Heartbeat):
+                beats[event.role] = event
+    seen = {}
+    if "sampler" in beats:
+        seen["sampler_paused_s"] = round(beats["sampler"].stats.get("paused_s", 0.0), 1)
+    if "learner" in beats:
+        seen["learner_lag"] = beats["learner"].lag
+    return {**seen, **phases(published, steps, counts)}
+
+
+def phases(published: dict[int, float], steps: dict[int, dict[str, float]],
+           counts: dict[int, int]) -> dict:
     rounds = []
     for v in sorted(steps):
         if v not in published or v + 1 not in published:
@@ -148,12 +168,14 @@ def run_mode(base, mode: str, seconds: float, setting: dict) -> dict:
     with tempfile.TemporaryDirectory(prefix=f"gyre-{mode}-") as tmp:
         cfg = configure(base, mode, tmp, seconds, setting)
         timing.reset()
+        cpu0 = time.process_time()
         s = asyncio.run(run_loop(cfg, progress=False))
+        cpu = time.process_time() - cpu0
         busy = {k: round(v, 1) for k, v in sorted(timing.snapshot().items())}
         out = {"steps_per_s": s["env_steps_per_s"], "success": s["final_success"],
-               "versions": s["policy_versions"], "env_steps": s["env_steps"], "busy_s": busy}
-        if mode == "sync":
-            out.update(asyncio.run(sync_phases(bus_url(cfg))))
+               "versions": s["policy_versions"], "env_steps": s["env_steps"], "busy_s": busy,
+               "cpu_per_wall": round(cpu / s["wall_seconds"], 2)}
+        out.update(asyncio.run(read_back(bus_url(cfg))))
     return out
 
 
@@ -163,14 +185,19 @@ def compare(sync: dict, asyn: dict) -> dict:
            "sync_steps_per_s": round(sync["steps_per_s"], 2), "achieved": round(achieved, 3),
            "async_versions": asyn["versions"], "sync_versions": sync["versions"],
            "async_success": asyn["success"], "sync_success": sync["success"],
-           "sync_rounds_measured": sync["rounds"]}
+           "sync_rounds_measured": sync["rounds"],
+           "async_sampler_paused_s": asyn.get("sampler_paused_s"),
+           "cpu_per_wall": {"sync": sync["cpu_per_wall"], "async": asyn["cpu_per_wall"]},
+           "busy_s": {"sync": sync["busy_s"], "async": asyn["busy_s"]}}
     if sync["rounds"]:
         ts, busy, tl = sync["T_sample_s"], sync["T_sample_busy_s"], sync["T_learn_s"]
         bound = (ts + tl) / max(busy, tl)
         row.update(bound=round(bound, 3), bound_phases=round((ts + tl) / max(ts, tl), 3),
                    achieved_over_bound=round(achieved / bound, 3),
                    T_sample_s=round(ts, 2), T_sample_busy_s=round(busy, 2),
-                   T_learn_s=round(tl, 2), steps_per_update=round(sync["steps_per_update"]))
+                   T_learn_s=round(tl, 2), steps_per_update=round(sync["steps_per_update"]),
+                   T_learner_busy_s=round(sync["busy_s"].get("learner", 0.0)
+                                          / max(sync["versions"] - 1, 1), 2))
     else:
         row.update(bound=None, bound_phases=None, achieved_over_bound=None)
     return row
@@ -194,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
             runs[mode] = run_mode(base, mode, args.seconds, SETTINGS[name])
             r = runs[mode]
             print(f"{name} {mode:>5}: {r['env_steps']} env steps, {r['steps_per_s']:.1f} steps/s,"
-                  f" {r['versions']} versions, final success {r['success']}, busy s {r['busy_s']}",
+                  f" {r['versions']} versions, final success {r['success']}, busy s {r['busy_s']},"
+                  f" CPU/wall {r['cpu_per_wall']}, sampler paused {r.get('sampler_paused_s')} s",
                   file=sys.stderr, flush=True)
         table[name] = compare(runs["sync"], runs["async"])
         print(f"{name}: {json.dumps(table[name])}", file=sys.stderr, flush=True)

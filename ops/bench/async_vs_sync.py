@@ -17,7 +17,9 @@ time, in each of three settings (``--settings``):
 
 Latency- and compute-bound episodes use 4 orders and a 64-step cap (the untrained policy
 runs every episode to the cap), so that a sync round takes seconds, not minutes, and a
-short run holds several rounds.
+short run holds several rounds. The async learner's batch is set to the steps of a sync
+round (2,048; 714 expected with the long tail), so both modes make updates of one size and
+the learner's cost per update means the same in both.
 
 What is measured, from the sync run's own event log (same run, no second pass):
 per update ``v`` (rounds 1.. when there are more than two: round 0 also pays the initial
@@ -109,6 +111,17 @@ register_env("workshop-longtail", LongTailWorkshop,
              vocabulary=lambda _config: EnvVocabulary(VOCAB, ACTION_WORDS))
 
 
+def steps_per_round(setting: dict, num_envs: int) -> int:
+    """Steps a sync round samples (the untrained policy runs every episode to its cap): the
+    async learner's batch too, so that both modes make updates of the same size."""
+    if setting["env"] != "workshop-longtail":
+        return num_envs * setting["max_steps"]
+    rng = random.Random(0)  # the expected heavy-tailed cap, by Monte Carlo
+    mean_cap = statistics.mean(min(setting["max_steps"], math.ceil(
+        TAIL_MIN_STEPS * rng.paretovariate(TAIL_ALPHA))) for _ in range(100_000))
+    return round(num_envs * mean_cap)
+
+
 def configure(cfg, mode: str, run_dir: str, seconds: float, setting: dict):
     r = msgspec.structs.replace
     env_config = {k: v for k, v in setting.items() if k != "env"}
@@ -116,7 +129,8 @@ def configure(cfg, mode: str, run_dir: str, seconds: float, setting: dict):
         cfg,
         run=r(cfg.run, run_dir=run_dir, run_id=f"bench-{mode}", mode=mode),
         loop=r(cfg.loop, max_wall_s=seconds, target_success=0.0),
-        learner=r(cfg.learner, max_versions=0),
+        learner=r(cfg.learner, max_versions=0,
+                  batch_steps=steps_per_round(setting, cfg.sampler.num_envs)),
         evaluator=r(cfg.evaluator, every_versions=10_000),  # only version 0 and the final one
         task=r(cfg.task, env=setting["env"],
                env_config={**cfg.task.env_config, **env_config, "latency_max_s": 5.0}),
@@ -192,15 +206,15 @@ def run_mode(base, mode: str, seconds: float, setting: dict) -> dict:
 
 def compare(sync: dict, asyn: dict) -> dict:
     achieved = asyn["steps_per_s"] / max(sync["steps_per_s"], 1e-9)
-    trained = (asyn.get("trained_steps_per_s", 0.0)
-               / max(sync.get("trained_steps_per_s", 0.0), 1e-9))
+    trained = (asyn["trained_steps_per_s"] / sync["trained_steps_per_s"]
+               if asyn.get("trained_steps_per_s") and sync.get("trained_steps_per_s") else None)
     row = {"async_steps_per_s": round(asyn["steps_per_s"], 2),
            "sync_steps_per_s": round(sync["steps_per_s"], 2), "achieved": round(achieved, 3),
            "async_versions": asyn["versions"], "sync_versions": sync["versions"],
            "async_success": asyn["success"], "sync_success": sync["success"],
            "async_trained_steps_per_s": round(asyn.get("trained_steps_per_s", 0.0), 2),
            "sync_trained_steps_per_s": round(sync.get("trained_steps_per_s", 0.0), 2),
-           "achieved_trained": round(trained, 3),
+           "achieved_trained": round(trained, 3) if trained else None,
            "async_dropped_steps": asyn.get("dropped_steps"),
            "sync_rounds_measured": sync["rounds"],
            "async_sampler_paused_s": asyn.get("sampler_paused_s"),
@@ -211,7 +225,7 @@ def compare(sync: dict, asyn: dict) -> dict:
         bound = (ts + tl) / max(busy, tl)
         row.update(bound=round(bound, 3), bound_phases=round((ts + tl) / max(ts, tl), 3),
                    achieved_over_bound=round(achieved / bound, 3),
-                   achieved_trained_over_bound=round(trained / bound, 3),
+                   achieved_trained_over_bound=round(trained / bound, 3) if trained else None,
                    T_sample_s=round(ts, 2), T_sample_busy_s=round(busy, 2),
                    T_learn_s=round(tl, 2), steps_per_update=round(sync["steps_per_update"]),
                    T_learner_busy_s=round(sync["busy_s"].get("learner", 0.0)

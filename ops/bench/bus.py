@@ -5,6 +5,17 @@ keyed by 64 trajectory ids, encoded with ``schemas.encode``) in batches, while o
 reads them all; the clock runs from the first publish to the last record consumed. Runs:
 
 - ``embedded``: Gyre's SQLite log (``sqlite:///<tmp>/events.db``);
+- ``raw_sqlite``: plain ``sqlite3`` with the embedded bus's own settings (its
+  ``SQLITE_PRAGMAS``: WAL, ``synchronous=NORMAL``, 32 KiB pages), table layout (a
+  ``WITHOUT ROWID`` log keyed by topic, partition, offset; 4 partitions by CRC32 of the key)
+  and batching (one ``BEGIN IMMEDIATE`` transaction per batch): a writer thread and a
+  reader thread on their own connections, the reader polling partition ranges in one
+  snapshot per poll. The ceiling the embedded bus is measured against
+  (``embedded_vs_raw_sqlite``; ``embedded_vs_raw_sqlite_cpu`` compares CPU per event,
+  which moves far less with the machine's load than a rate does);
+- ``raw_sqlite_rowid``: the plainest SQLite queue (one append-only rowid table, no
+  partitions or offsets, same settings): what the partitioned layout itself costs
+  (``embedded_vs_raw_sqlite_rowid``);
 - ``kafka``: Gyre's KafkaBus;
 - ``raw_aiokafka``: plain AIOKafkaProducer/AIOKafkaConsumer on the same broker with the
   *same* producer settings, batching exactly as KafkaBus does (one ``create_batch`` per
@@ -12,9 +23,10 @@ reads them all; the clock runs from the first publish to the last record consume
   KafkaBus is measured against. The textbook ``send()``-per-message variant runs too and is
   printed for comparison.
 
-The machine is noisy, so the runs alternate (raw, kafka, raw-send, raw, kafka, ...). The
-JSON gives the median of each and, as ``kafka_vs_raw``, the median of the per-round
-kafka/raw ratios (neighbouring runs see the same load). A noida-db broker is started
+The machine is noisy, so the runs alternate (raw SQLite, embedded, rowid, ...; then raw,
+kafka, raw-send, raw, kafka, ...). The JSON gives the median of each and, as
+``embedded_vs_raw_sqlite`` and ``kafka_vs_raw``, the medians of the per-round ratios
+(neighbouring runs see the same load). A noida-db broker is started
 through ``ops/brokers.py`` unless ``--bus kafka://...`` names one, and stopped at the end.
 The last line of output is one JSON object.
 """
@@ -25,9 +37,11 @@ import argparse
 import asyncio
 import json
 import random
+import sqlite3
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import uuid
 import zlib
@@ -39,6 +53,7 @@ sys.path.insert(0, str(ROOT))  # run as a script: make `ops` and the packages im
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer  # noqa: E402
 
 from gyre_async.bus import open_bus  # noqa: E402
+from gyre_async.bus.embedded import SQLITE_PRAGMAS  # noqa: E402
 from gyre_async.bus.kafka import KafkaBus  # noqa: E402
 from gyre_async.runtime.logs import configure_logging  # noqa: E402
 from schemas import encode, event_id  # noqa: E402
@@ -115,6 +130,105 @@ async def run_gyre(url: str, events: list, batch: int, fetch: int) -> float:
     return len(events) / secs
 
 
+#: The raw-SQLite tables: ``log`` is the embedded bus's own layout (a partitioned log with
+#: gap-free per-partition offsets, read back by partition ranges); ``rowid`` is the plainest
+#: queue SQLite can hold (one append-only rowid table, no partitions), the absolute ceiling.
+RAW_SQLITE_LAYOUTS = {
+    "log": ("CREATE TABLE log(topic TEXT, part INTEGER, off INTEGER, key BLOB, "
+            "value BLOB NOT NULL, ts REAL NOT NULL, PRIMARY KEY(topic, part, off)) WITHOUT ROWID"),
+    "rowid": "CREATE TABLE log(id INTEGER PRIMARY KEY, key BLOB, value BLOB NOT NULL, ts REAL NOT NULL)",
+}
+
+
+def _raw_connect(path: str) -> sqlite3.Connection:
+    conn = sqlite3.connect(path, timeout=60.0, isolation_level=None, check_same_thread=False)
+    for pragma in SQLITE_PRAGMAS:  # the embedded bus's durability and cache settings
+        conn.execute(pragma)
+    return conn
+
+
+def run_raw_sqlite(events: list, batch: int, fetch: int, layout: str = "log",
+                   poll_s: float = 0.005) -> float:
+    """Rows/s through plain ``sqlite3``: one writer thread, one reader thread, own connections.
+
+    The writer appends each batch in one ``BEGIN IMMEDIATE`` transaction (``executemany``),
+    as the embedded bus does, with partitions by CRC32 of the key and offsets counted in
+    memory (a single writer needs no ``heads`` table). The reader polls its next rows by
+    partition range (``layout="log"``) or by rowid, at most ``fetch`` per poll, sleeping
+    ``poll_s`` (the bus's poll interval) when there is nothing new. No asyncio, no objects
+    per row beyond the fetched tuples: the cost of SQLite itself.
+    """
+    topic = "bench-raw"
+    with tempfile.TemporaryDirectory(prefix="gyre-bench-raw-") as tmp:
+        path = f"{tmp}/raw.db"
+        writer, reader = _raw_connect(path), _raw_connect(path)
+        writer.execute(RAW_SQLITE_LAYOUTS[layout])
+        seen = [0]
+
+        def consume_all() -> None:
+            if layout == "rowid":
+                last = 0
+                while seen[0] < len(events):
+                    rows = reader.execute("SELECT id, key, value, ts FROM log WHERE id>? "
+                                          "ORDER BY id LIMIT ?", (last, fetch)).fetchall()
+                    if rows:
+                        last = rows[-1][0]
+                        seen[0] += len(rows)
+                    else:
+                        time.sleep(poll_s)
+                return
+            positions = [0] * PARTITIONS
+            first = 0
+            while seen[0] < len(events):
+                got = 0
+                first = (first + 1) % PARTITIONS  # round-robin, so no partition starves
+                reader.execute("BEGIN")  # one snapshot per poll
+                for p in [*range(first, PARTITIONS), *range(first)]:
+                    if got >= fetch:
+                        break
+                    rows = reader.execute(
+                        "SELECT off, key, value, ts FROM log WHERE topic=? AND part=? AND off>=? "
+                        "ORDER BY off LIMIT ?", (topic, p, positions[p], fetch - got)).fetchall()
+                    if rows:
+                        positions[p] = rows[-1][0] + 1
+                        got += len(rows)
+                reader.execute("COMMIT")
+                seen[0] += got
+                if not got:
+                    time.sleep(poll_s)
+
+        def publish_all() -> None:
+            heads = [0] * PARTITIONS
+            for chunk in batches(events, batch):
+                now = time.time()
+                if layout == "rowid":
+                    rows = [(key, value, now) for key, value in chunk]
+                    sql = "INSERT INTO log(key, value, ts) VALUES (?, ?, ?)"
+                else:
+                    rows = []
+                    for key, value in chunk:
+                        p = zlib.crc32(key) % PARTITIONS
+                        rows.append((topic, p, heads[p], key, value, now))
+                        heads[p] += 1
+                    sql = "INSERT INTO log VALUES (?, ?, ?, ?, ?, ?)"
+                writer.execute("BEGIN IMMEDIATE")
+                writer.executemany(sql, rows)
+                writer.execute("COMMIT")
+
+        try:
+            consumer = threading.Thread(target=consume_all, name="raw-sqlite-reader")
+            t0, c0 = time.perf_counter(), time.process_time()
+            consumer.start()
+            publish_all()
+            consumer.join()
+            secs = time.perf_counter() - t0
+            last_cpu[0] = time.process_time() - c0
+        finally:
+            writer.close()
+            reader.close()
+    return len(events) / secs
+
+
 async def run_raw(url: str, events: list, batch: int, fetch: int, mode: str = "batch") -> float:
     """Events/s through plain aiokafka, with KafkaBus's producer settings.
 
@@ -178,20 +292,42 @@ async def bench(args: argparse.Namespace, kafka_url: str) -> dict:
     sizes = [len(v) for _, v in events]
     progress(f"event size: mean {statistics.mean(sizes):.0f} B, "
              f"min {min(sizes)} B, max {max(sizes)} B")
-    result: dict = {"bench": "bus", "embedded_eps": None, "kafka_eps": None,
+    result: dict = {"bench": "bus", "embedded_eps": None, "raw_sqlite_eps": None,
+                    "embedded_vs_raw_sqlite": None, "kafka_eps": None,
                     "raw_aiokafka_eps": None, "kafka_vs_raw": None}
 
     if "embedded" in args.backends:
-        try:
-            from gyre_async.bus.embedded import EmbeddedBus  # noqa: F401
-        except ImportError as exc:
-            progress(f"embedded: skipped ({exc})")
-            result["embedded_eps"] = None
-        else:
-            with tempfile.TemporaryDirectory(prefix="gyre-bench-") as tmp:
-                eps = await run_gyre(f"sqlite:///{tmp}/events.db", events, args.batch, args.fetch)
-            progress(f"embedded: {eps:,.0f} events/s")
-            result["embedded_eps"] = round(eps)
+        runs: dict[str, list[float]] = {"raw_sqlite": [], "embedded": [], "raw_sqlite_rowid": []}
+        cpu: dict[str, list[float]] = {label: [] for label in runs}
+        for r in range(args.rounds):
+            for label in runs:
+                if label == "embedded":
+                    with tempfile.TemporaryDirectory(prefix="gyre-bench-") as tmp:
+                        eps = await run_gyre(f"sqlite:///{tmp}/events.db", events,
+                                             args.batch, args.fetch)
+                else:
+                    layout = "rowid" if label.endswith("rowid") else "log"
+                    eps = await asyncio.to_thread(run_raw_sqlite, events, args.batch,
+                                                  args.fetch, layout)
+                runs[label].append(eps)
+                cpu_us = last_cpu[0] / args.events * 1e6
+                cpu[label].append(cpu_us)
+                progress(f"round {r + 1}/{args.rounds} {label}: {eps:,.0f} events/s, "
+                         f"{cpu_us:.1f} us CPU per event")
+        # CPU per event barely moves with the machine's load; wall-clock rates do.
+        cpu_ratio = statistics.median(r / e for e, r in zip(cpu["embedded"], cpu["raw_sqlite"]))
+        ratio = statistics.median(e / r for e, r in zip(runs["embedded"], runs["raw_sqlite"]))
+        ratio_rowid = statistics.median(
+            e / r for e, r in zip(runs["embedded"], runs["raw_sqlite_rowid"]))
+        progress(f"embedded / raw SQLite (same layout), median of per-round ratios: {ratio:.3f};"
+                 f" embedded / raw SQLite rowid queue: {ratio_rowid:.3f}; raw / embedded CPU per "
+                 f"event (same layout): {cpu_ratio:.3f}")
+        result.update(embedded_eps=round(statistics.median(runs["embedded"])),
+                      raw_sqlite_eps=round(statistics.median(runs["raw_sqlite"])),
+                      embedded_vs_raw_sqlite=round(ratio, 3),
+                      embedded_vs_raw_sqlite_cpu=round(cpu_ratio, 3),
+                      raw_sqlite_rowid_eps=round(statistics.median(runs["raw_sqlite_rowid"])),
+                      embedded_vs_raw_sqlite_rowid=round(ratio_rowid, 3))
 
     if "kafka" in args.backends:
         runs: dict[str, list[float]] = {"raw": [], "kafka": [], "raw_send": []}
@@ -222,8 +358,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python ops/bench/bus.py",
         description="Bus throughput (events published and consumed per second) for the "
-                    "embedded backend, Gyre's Kafka backend and raw aiokafka on the same "
-                    "broker. Prints progress, then one JSON line.",
+                    "embedded backend against raw SQLite, Gyre's Kafka backend and raw "
+                    "aiokafka on the same broker. Prints progress, then one JSON line.",
     )
     parser.add_argument("--events", type=int, default=200_000, help="events per run")
     parser.add_argument("--bus", default=None,
@@ -231,11 +367,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--broker", choices=("noida", "tansu"), default="noida",
                         help="broker to start when --bus is not given")
     parser.add_argument("--rounds", type=int, default=3,
-                        help="alternations of raw, kafka and raw-send() runs (medians reported)")
+                        help="alternations of raw/embedded SQLite and raw/kafka/raw-send() runs "
+                             "(medians reported)")
     parser.add_argument("--batch", type=int, default=1000, help="events per publish call")
     parser.add_argument("--fetch", type=int, default=1000, help="max records per fetch")
     parser.add_argument("--backends", default="embedded,kafka",
-                        help="comma list of: embedded, kafka (kafka includes raw aiokafka)")
+                        help="comma list of: embedded (includes raw SQLite), kafka (includes raw "
+                             "aiokafka)")
     args = parser.parse_args(argv)
     args.backends = set(args.backends.split(","))
 

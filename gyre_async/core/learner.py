@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from gyre_async.core.learner_batch import BatchItem, PreparedBatch, prepare_batch
+from gyre_async.core.learner_dp import AveragedSteps, DataParallel
 from gyre_async.experience.elite import ElitePool, offer_trained, sample_for
 from gyre_async.rl.critic import CriticGuard, Divergence, complete_returns
 from gyre_async.rl.finite import NonFiniteBatch, check_batch_finite, check_loss_finite
@@ -47,6 +48,8 @@ from schemas.config import Config
 from schemas.events import PolicyVersion, RewardFailed, Rollback, Scored
 
 VersionReason = Literal["init", "update", "rollback"]
+MINIBATCH_READINGS = ("clip_fraction", "approx_kl", "importance_weight_mean",
+                      "importance_weight_capped", "policy_loss", "value_loss", "entropy", "loss")
 
 
 @dataclass
@@ -88,9 +91,11 @@ def _index_slices(n: int, size: int) -> list[list[int]]:
 class LearnerCore:
     """The learner's state (buffer, optimizer, critic defences, counters) and its update."""
 
-    def __init__(self, cfg: Config, policy, elite: ElitePool | None = None):
+    def __init__(self, cfg: Config, policy, elite: ElitePool | None = None,
+                 dp: DataParallel | None = None):
         self.cfg = cfg
         self.policy = policy
+        self.dp = dp  # a data-parallel group (gyre_async.core.learner_dp), None: alone
         self.optimizer = torch.optim.Adam(policy.parameters(), lr=cfg.learner.learning_rate)
         self.buffer: list[Buffered] = []
         self.outcomes = OutcomeBook(cfg.sampler.group_size)  # global advantage (rl/fusion.py)
@@ -224,8 +229,11 @@ class LearnerCore:
         for item, array in zip(self.buffer, arrays):
             item.arrays = array
 
-    def update(self) -> TrainResult | list[Dropped]:
-        """One update on the buffered segments (arrays attached), elite ones mixed in."""
+    def update(self, global_adv: list[float] | None = None) -> TrainResult | list[Dropped]:
+        """One update on the buffered segments (arrays attached), elite ones mixed in.
+
+        ``global_adv``: the batch's outcome advantages when a data-parallel leader already
+        computed them (:meth:`global_advantages`); None computes them here."""
         fresh = list(self.buffer)  # refused together if non-finite (elite picks aside)
         steps = self.buffered_steps
         staleness = max(self.version - b.scored.min_policy_version for b in fresh)
@@ -238,7 +246,7 @@ class LearnerCore:
                  if self.version + 1 == settings.fault_lr_spike_version else 1.0)
         self.set_learning_rate(self.learning_rate * spike)  # fault injection (config)
         try:
-            result = self.train(elite)
+            result = self.train(elite, global_adv)
         except NonFiniteBatch as exc:  # refused before optimizer.step, visibly, per segment
             self.done_trajectories.clear()
             return [self._drop(b.scored, exc.reason) for b in fresh]
@@ -254,14 +262,20 @@ class LearnerCore:
         self.done_trajectories.clear()
         return replace(result, metrics=metrics)
 
-    def train(self, elite: Sequence[BatchItem] = ()) -> TrainResult:
+    def global_advantages(self, items: Sequence[BatchItem]) -> list[float]:
+        """Per segment, its trajectory's group-relative outcome advantage (NaN: unknown)."""
+        return self.outcomes.global_advantages(
+            [(b.scored.trajectory_id, b.scored.task_id, b.scored.trajectory_done)
+             for b in items])
+
+    def train(self, elite: Sequence[BatchItem] = (),
+              global_adv: list[float] | None = None) -> TrainResult:
         """One PPO update on everything buffered (plus ``elite``); empties the buffer."""
         settings = self.cfg.learner
         fresh, self.buffer = self.buffer, []
         items: list[BatchItem] = [*fresh, *elite]
-        global_adv = self.outcomes.global_advantages(
-            [(b.scored.trajectory_id, b.scored.task_id, b.scored.trajectory_done)
-             for b in items])
+        if global_adv is None:
+            global_adv = self.global_advantages(items)
         prep = prepare_batch(self.policy, items, settings.gamma, settings.lam, global_adv,
                              settings.credit, settings.fusion_max_weight)
         ids = [it.scored.segment_id for it in items]
@@ -294,9 +308,13 @@ class LearnerCore:
         return result(metrics, False)
 
     def _optimise(self, prep: PreparedBatch, ids: list[str]) -> dict[str, float]:
-        """Decoupled PPO epochs over ``prep`` (see ``gyre_async.rl.ppo``); mean losses."""
+        """Decoupled PPO epochs over ``prep`` (see ``gyre_async.rl.ppo``); mean losses.
+
+        With a data-parallel group each rank computes only the rows it owns, its losses
+        scaled to their share of the whole minibatch, and the gradients are summed before
+        clipping (see ``gyre_async.core.learner_dp``); alone, the shares are 1."""
         settings = self.cfg.learner
-        n, contexts, actions = prep.n, prep.contexts, prep.actions
+        n, actions = prep.n, prep.actions
         adv = prep.advantages
         adv_norm = (adv - adv.mean()) / (adv.std() + 1e-8) if n > 1 else adv
         width = max(len(a) for a in actions)
@@ -305,43 +323,80 @@ class LearnerCore:
         for i, logprobs in enumerate(prep.behaviour_logprobs):
             behaviour[i, : len(logprobs)] = torch.tensor(logprobs)
             token_mask[i, : len(logprobs)] = True
-        with torch.no_grad():
-            proximal = torch.zeros(n, width)
-            for rows in _index_slices(n, 1024):
-                out = self.policy.evaluate([contexts[i] for i in rows],
-                                           [actions[i] for i in rows])
-                proximal[rows, : out.logprobs.shape[1]] = out.logprobs.float()
+        proximal = self._proximal_logprobs(prep, width)
         check_batch_finite({}, {"proximal_logprobs": proximal}, ids)
+        params = list(self.policy.parameters())
         stats: dict[str, list[float]] = {}
-        gen = torch.Generator().manual_seed(n)
+        gen = torch.Generator().manual_seed(n)  # the same permutation on every rank
         for _ in range(settings.epochs):
             perm = torch.randperm(n, generator=gen).tolist()
             for start in range(0, n, settings.minibatch_steps):
                 mb = perm[start : start + settings.minibatch_steps]
-                out = self.policy.evaluate([contexts[i] for i in mb], [actions[i] for i in mb])
-                cols = out.logprobs.shape[1]
-                mask = token_mask[mb, :cols]
-                tok_adv = broadcast_step_advantages(adv_norm[mb], mask)
-                policy_loss, policy_stats = ppo_policy_loss(
-                    out.logprobs, proximal[mb, :cols], behaviour[mb, :cols], tok_adv, mask,
-                    settings.clip_eps, settings.is_cap)
-                critic_loss = value_loss(out.values.float(), prep.values[mb], prep.returns[mb],
-                                         clip=settings.value_clip or None)
-                entropy = (out.entropy * mask).sum() / mask.sum().clamp(min=1)
-                loss = (policy_loss + settings.value_coef * critic_loss
-                        - settings.entropy_coef * entropy)
-                check_loss_finite(loss, ids)
+                mine = self.dp.owned(mb) if self.dp else mb
                 self.optimizer.zero_grad()
-                loss.backward()
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(),
-                                                           settings.max_grad_norm)
+                readings = (self._minibatch_loss(prep, mine, len(mb), int(token_mask[mb].sum()),
+                                                 adv_norm, behaviour, token_mask, proximal, ids)
+                            if mine else dict.fromkeys(MINIBATCH_READINGS, 0.0))
+                if self.dp is not None:  # one all-reduce: gradients and readings
+                    summed = self.dp.sum_gradients(params, list(readings.values()))
+                    readings = dict(zip(readings, summed))
+                    check_loss_finite(torch.tensor(readings.pop("loss")), ids)
+                else:
+                    readings.pop("loss")
+                grad_norm = torch.nn.utils.clip_grad_norm_(params, settings.max_grad_norm)
                 self.optimizer.step()
-                for key, val in {**policy_stats, "policy_loss": float(policy_loss.detach()),
-                                 "value_loss": float(critic_loss.detach()),
-                                 "entropy": float(entropy.detach()),
-                                 "grad_norm": float(grad_norm)}.items():
+                for key, val in {**readings, "grad_norm": float(grad_norm)}.items():
                     stats.setdefault(key, []).append(val)
         return {f"losses/{k}": float(np.mean(vals)) for k, vals in stats.items()}
+
+    def _proximal_logprobs(self, prep: PreparedBatch, width: int) -> torch.Tensor:
+        """Log-probs [n, width] of the actions under the weights before the update (each
+        rank computes the rows it owns; the sum over ranks fills every row)."""
+        n = prep.n
+        proximal = torch.zeros(n, width)
+        with torch.no_grad():
+            for rows in _index_slices(n, 1024):
+                rows = self.dp.owned(rows) if self.dp else rows
+                if not rows:
+                    continue
+                out = self.policy.evaluate([prep.contexts[i] for i in rows],
+                                           [prep.actions[i] for i in rows])
+                proximal[rows, : out.logprobs.shape[1]] = out.logprobs.float()
+        return self.dp.sum(proximal) if self.dp else proximal
+
+    def _minibatch_loss(self, prep: PreparedBatch, rows: list[int], mb_rows: int,
+                        mb_tokens: int, adv_norm: torch.Tensor, behaviour: torch.Tensor,
+                        token_mask: torch.Tensor, proximal: torch.Tensor,
+                        ids: list[str]) -> dict[str, float]:
+        """Back-propagate the loss of ``rows``, a share of a minibatch of ``mb_rows`` steps
+        and ``mb_tokens`` action tokens: token means are taken over the minibatch's tokens
+        and step means over its steps, so the shares of all ranks add up to its loss.
+        Returns the readings (the loss's parts, the PPO statistics), each scaled likewise."""
+        settings = self.cfg.learner
+        out = self.policy.evaluate([prep.contexts[i] for i in rows],
+                                   [prep.actions[i] for i in rows])
+        cols = out.logprobs.shape[1]
+        mask = token_mask[rows, :cols]
+        token_share = int(mask.sum()) / max(mb_tokens, 1) if self.dp else 1.0
+        row_share = len(rows) / mb_rows if self.dp else 1.0
+        tok_adv = broadcast_step_advantages(adv_norm[rows], mask)
+        policy_loss, policy_stats = ppo_policy_loss(
+            out.logprobs, proximal[rows, :cols], behaviour[rows, :cols], tok_adv, mask,
+            settings.clip_eps, settings.is_cap)
+        critic_loss = value_loss(out.values.float(), prep.values[rows], prep.returns[rows],
+                                 clip=settings.value_clip or None)
+        entropy = (out.entropy * mask).sum() / (max(mb_tokens, 1) if self.dp
+                                                else mask.sum().clamp(min=1))
+        loss = (token_share * policy_loss + settings.value_coef * row_share * critic_loss
+                - settings.entropy_coef * entropy)
+        if self.dp is None:  # a group checks the summed loss, on every rank alike
+            check_loss_finite(loss, ids)
+        loss.backward()
+        readings = {key: token_share * val for key, val in policy_stats.items()}
+        readings.update({"policy_loss": token_share * float(policy_loss.detach()),
+                         "value_loss": row_share * float(critic_loss.detach()),
+                         "entropy": float(entropy.detach()), "loss": float(loss.detach())})
+        return {key: readings[key] for key in MINIBATCH_READINGS}  # the all-reduce's order
 
     def _refit(self, items: list[BatchItem], prep: PreparedBatch) -> float:
         """The critic's periodic supervised refit on the batch's complete Monte-Carlo returns."""
@@ -353,7 +408,9 @@ class LearnerCore:
         keep = [i for i, r in enumerate(flat) if r is not None]
         if not keep:
             return 0.0
-        return self.critic.refit(self.policy, self.optimizer, [prep.contexts[i] for i in keep],
+        optimizer = (self.optimizer if self.dp is None else  # every rank refits on all rows
+                     AveragedSteps(self.optimizer, self.dp, list(self.policy.parameters())))
+        return self.critic.refit(self.policy, optimizer, [prep.contexts[i] for i in keep],
                                  [prep.actions[i] for i in keep],
                                  torch.tensor([flat[i] for i in keep]),
                                  self.cfg.learner.max_grad_norm)

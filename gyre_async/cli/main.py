@@ -58,6 +58,9 @@ def _parser() -> argparse.ArgumentParser:
     actor.add_argument("--metrics-port", type=int, metavar="PORT",
                        help="serve Prometheus metrics at http://0.0.0.0:PORT/metrics and "
                        "liveness at /healthz (default: off)")
+    actor.add_argument("--rank", type=int, help="learner: this process's rank in a "
+                       "data-parallel learner of learner.world_size (default: $RANK as "
+                       "torchrun sets it, else 0); ranks > 0 follow rank 0, off the bus")
 
     tail = sub.add_parser("tail", help="print a topic's events as JSON lines",
                           description="Subscribe to a topic and print each event as one JSON "
@@ -147,6 +150,11 @@ def _dispatch(args) -> int:
 
     if args.command == "actor":
         cfg = _config(args)
+        if args.role == "learner":
+            from gyre_async.core.learner_dp import follows_leader
+
+            if follows_leader(cfg, args.rank):  # a data-parallel learner's rank > 0
+                return 0
         run_main(lambda: run_actor(args.role, cfg, args.bus, args.name, args.metrics_port))
         return 0
     if args.command == "run":

@@ -39,6 +39,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import structlog
 import torch
 import torch.distributed as dist
 
@@ -47,6 +48,7 @@ from schemas.config import Config
 from schemas.events import Rollback, Scored
 
 DEFAULT_RENDEZVOUS = "tcp://127.0.0.1:29511"
+log = structlog.get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,8 @@ class DataParallel:
         self.device = device
         if not dist.is_initialized():
             backend = "nccl" if device.type == "cuda" else "gloo"
+            log.info("learner group: joining", rank=member.rank, world_size=member.world_size,
+                     backend=backend, init_method=member.init_method)
             dist.init_process_group(backend, init_method=member.init_method, rank=member.rank,
                                     world_size=member.world_size,
                                     timeout=dt.timedelta(minutes=30))
@@ -210,8 +214,10 @@ class LearnerGroup:
     before doing the work itself, so every rank runs the same update on the same batch."""
 
     def __init__(self, member: Membership):
+        """Before the policy is built: a rank on a GPU machine picks its own GPU."""
         self.member = member
         self.dp: DataParallel | None = None
+        select_device(os.environ)
 
     def attach(self, policy) -> DataParallel | None:
         """Join the process group (world_size > 1) on the policy's device."""
@@ -278,8 +284,22 @@ def follow(core, dp: DataParallel) -> None:
                 raise TypeError(f"learner follower: unexpected order {type(message).__name__}")
 
 
-def run_follower(cfg: Config, member: Membership) -> None:
-    """``gyre actor learner`` on a rank > 0: no bus, only the leader's orders."""
+def follows_leader(cfg: Config, rank: int | None = None) -> bool:
+    """``gyre actor learner [--rank N]``: on a rank > 0, follow the leader until it stops
+    and return True; on rank 0 return False (the caller runs the learner actor).
+    ``rank`` overrides ``$RANK`` (and sets it, so the actor sees the same rank)."""
+    if rank is not None:
+        os.environ["RANK"] = str(rank)
+    member = membership(cfg)
+    if member.leads:
+        return False
+    run_follower(cfg, member)
+    return True
+
+
+def run_follower(cfg: Config, member: Membership):
+    """``gyre actor learner`` on a rank > 0: no bus, only the leader's orders. Returns the
+    core it followed with (its weights and counters: what tests and benches compare)."""
     from gyre_async.compose import build_policy, build_tokenizer
     from gyre_async.core.learner import LearnerCore
 
@@ -287,10 +307,12 @@ def run_follower(cfg: Config, member: Membership) -> None:
     torch.manual_seed(cfg.run.seed)
     policy = build_policy(cfg, build_tokenizer(cfg))
     dp = DataParallel(member, next(iter(policy.parameters())).device)
+    core = LearnerCore(cfg, policy, None, dp)
     try:
-        follow(LearnerCore(cfg, policy, None, dp), dp)
+        follow(core, dp)
     finally:
         dp.close()
+    return core
 
 
 def select_device(environ) -> None:

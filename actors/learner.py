@@ -26,10 +26,10 @@ from gyre_async import timing
 from gyre_async.audit.credit_log import restore_outcome_book
 from gyre_async.audit.redelivery import recently_trained
 from gyre_async.audit.runlog import current_policy_version
+from gyre_async.compose import build_policy, build_tokenizer, load_weights, save_weights
 from gyre_async.core.learner import Dropped, LearnerCore, TrainResult, VersionReason
 from gyre_async.core.learner_dp import LearnerGroup, membership
 from gyre_async.experience.elite import open_elite_pool
-from gyre_async.compose import build_policy, build_tokenizer, load_weights, save_weights
 from gyre_async.runtime.actor import Actor, Emit
 from gyre_async.storage.checkpoints import CheckpointStore
 from gyre_async.storage.errors import SegmentStoreError

@@ -36,11 +36,11 @@ import torch
 
 from gyre_async.core.learner_batch import BatchItem, PreparedBatch, prepare_batch
 from gyre_async.core.learner_dp import AveragedSteps, DataParallel
+from gyre_async.core.learner_ppo import PpoEpochs
 from gyre_async.experience.elite import ElitePool, offer_trained, sample_for
 from gyre_async.rl.critic import CriticGuard, Divergence, complete_returns
-from gyre_async.rl.finite import NonFiniteBatch, check_batch_finite, check_loss_finite
+from gyre_async.rl.finite import NonFiniteBatch, check_batch_finite
 from gyre_async.rl.fusion import OutcomeBook
-from gyre_async.rl.ppo import broadcast_step_advantages, ppo_policy_loss, value_loss
 from gyre_async.rl.staleness import StalenessGate
 from gyre_async.storage.checkpoints import CheckpointRef
 from schemas import event_id
@@ -48,8 +48,6 @@ from schemas.config import Config
 from schemas.events import PolicyVersion, RewardFailed, Rollback, Scored
 
 VersionReason = Literal["init", "update", "rollback"]
-MINIBATCH_READINGS = ("clip_fraction", "approx_kl", "importance_weight_mean",
-                      "importance_weight_capped", "policy_loss", "value_loss", "entropy", "loss")
 
 
 @dataclass
@@ -82,10 +80,6 @@ class TrainResult:
 def _finite_or(x: float, fallback: float = -1.0) -> float:
     """Events carry finite floats: an infinite reading is capped, a NaN becomes ``fallback``."""
     return fallback if math.isnan(x) else max(min(x, 1e300), -1e300)
-
-
-def _index_slices(n: int, size: int) -> list[list[int]]:
-    return [list(range(start, min(n, start + size))) for start in range(0, n, size)]
 
 
 class LearnerCore:
@@ -293,7 +287,7 @@ class LearnerCore:
         self.critic.start(self.policy, prep.rewards)
         if self.critic.screen(self.policy, self.optimizer, prep.local_advantages):
             return result({**prep.credit_stats(), "critic/skipped_update": 1.0}, True)
-        metrics = self._optimise(prep, ids)
+        metrics = PpoEpochs(self.policy, self.optimizer, settings, prep, ids, self.dp).run()
         metrics.update({
             "charts/batch_steps": float(prep.n), "charts/batch_segments": float(len(items)),
             "charts/mean_reward": float(np.mean(prep.rewards)),
@@ -306,97 +300,6 @@ class LearnerCore:
             metrics["losses/value_refit"] = self._refit(items, prep)
         metrics.update(prep.credit_stats())
         return result(metrics, False)
-
-    def _optimise(self, prep: PreparedBatch, ids: list[str]) -> dict[str, float]:
-        """Decoupled PPO epochs over ``prep`` (see ``gyre_async.rl.ppo``); mean losses.
-
-        With a data-parallel group each rank computes only the rows it owns, its losses
-        scaled to their share of the whole minibatch, and the gradients are summed before
-        clipping (see ``gyre_async.core.learner_dp``); alone, the shares are 1."""
-        settings = self.cfg.learner
-        n, actions = prep.n, prep.actions
-        adv = prep.advantages
-        adv_norm = (adv - adv.mean()) / (adv.std() + 1e-8) if n > 1 else adv
-        width = max(len(a) for a in actions)
-        behaviour = torch.zeros(n, width)
-        token_mask = torch.zeros(n, width, dtype=torch.bool)
-        for i, logprobs in enumerate(prep.behaviour_logprobs):
-            behaviour[i, : len(logprobs)] = torch.tensor(logprobs)
-            token_mask[i, : len(logprobs)] = True
-        proximal = self._proximal_logprobs(prep, width)
-        check_batch_finite({}, {"proximal_logprobs": proximal}, ids)
-        params = list(self.policy.parameters())
-        stats: dict[str, list[float]] = {}
-        gen = torch.Generator().manual_seed(n)  # the same permutation on every rank
-        for _ in range(settings.epochs):
-            perm = torch.randperm(n, generator=gen).tolist()
-            for start in range(0, n, settings.minibatch_steps):
-                mb = perm[start : start + settings.minibatch_steps]
-                mine = self.dp.owned(mb) if self.dp else mb
-                self.optimizer.zero_grad()
-                readings = (self._minibatch_loss(prep, mine, len(mb), int(token_mask[mb].sum()),
-                                                 adv_norm, behaviour, token_mask, proximal, ids)
-                            if mine else dict.fromkeys(MINIBATCH_READINGS, 0.0))
-                if self.dp is not None:  # one all-reduce: gradients and readings
-                    summed = self.dp.sum_gradients(params, list(readings.values()))
-                    readings = dict(zip(readings, summed))
-                    check_loss_finite(torch.tensor(readings.pop("loss")), ids)
-                else:
-                    readings.pop("loss")
-                grad_norm = torch.nn.utils.clip_grad_norm_(params, settings.max_grad_norm)
-                self.optimizer.step()
-                for key, val in {**readings, "grad_norm": float(grad_norm)}.items():
-                    stats.setdefault(key, []).append(val)
-        return {f"losses/{k}": float(np.mean(vals)) for k, vals in stats.items()}
-
-    def _proximal_logprobs(self, prep: PreparedBatch, width: int) -> torch.Tensor:
-        """Log-probs [n, width] of the actions under the weights before the update (each
-        rank computes the rows it owns; the sum over ranks fills every row)."""
-        n = prep.n
-        proximal = torch.zeros(n, width)
-        with torch.no_grad():
-            for rows in _index_slices(n, 1024):
-                rows = self.dp.owned(rows) if self.dp else rows
-                if not rows:
-                    continue
-                out = self.policy.evaluate([prep.contexts[i] for i in rows],
-                                           [prep.actions[i] for i in rows])
-                proximal[rows, : out.logprobs.shape[1]] = out.logprobs.float()
-        return self.dp.sum(proximal) if self.dp else proximal
-
-    def _minibatch_loss(self, prep: PreparedBatch, rows: list[int], mb_rows: int,
-                        mb_tokens: int, adv_norm: torch.Tensor, behaviour: torch.Tensor,
-                        token_mask: torch.Tensor, proximal: torch.Tensor,
-                        ids: list[str]) -> dict[str, float]:
-        """Back-propagate the loss of ``rows``, a share of a minibatch of ``mb_rows`` steps
-        and ``mb_tokens`` action tokens: token means are taken over the minibatch's tokens
-        and step means over its steps, so the shares of all ranks add up to its loss.
-        Returns the readings (the loss's parts, the PPO statistics), each scaled likewise."""
-        settings = self.cfg.learner
-        out = self.policy.evaluate([prep.contexts[i] for i in rows],
-                                   [prep.actions[i] for i in rows])
-        cols = out.logprobs.shape[1]
-        mask = token_mask[rows, :cols]
-        token_share = int(mask.sum()) / max(mb_tokens, 1) if self.dp else 1.0
-        row_share = len(rows) / mb_rows if self.dp else 1.0
-        tok_adv = broadcast_step_advantages(adv_norm[rows], mask)
-        policy_loss, policy_stats = ppo_policy_loss(
-            out.logprobs, proximal[rows, :cols], behaviour[rows, :cols], tok_adv, mask,
-            settings.clip_eps, settings.is_cap)
-        critic_loss = value_loss(out.values.float(), prep.values[rows], prep.returns[rows],
-                                 clip=settings.value_clip or None)
-        entropy = (out.entropy * mask).sum() / (max(mb_tokens, 1) if self.dp
-                                                else mask.sum().clamp(min=1))
-        loss = (token_share * policy_loss + settings.value_coef * row_share * critic_loss
-                - settings.entropy_coef * entropy)
-        if self.dp is None:  # a group checks the summed loss, on every rank alike
-            check_loss_finite(loss, ids)
-        loss.backward()
-        readings = {key: token_share * val for key, val in policy_stats.items()}
-        readings.update({"policy_loss": token_share * float(policy_loss.detach()),
-                         "value_loss": row_share * float(critic_loss.detach()),
-                         "entropy": float(entropy.detach()), "loss": float(loss.detach())})
-        return {key: readings[key] for key in MINIBATCH_READINGS}  # the all-reduce's order
 
     def _refit(self, items: list[BatchItem], prep: PreparedBatch) -> float:
         """The critic's periodic supervised refit on the batch's complete Monte-Carlo returns."""

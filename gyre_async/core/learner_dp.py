@@ -148,7 +148,10 @@ class DataParallel:
         return self.device if self.device.type == "cuda" else None
 
     def close(self) -> None:
+        """Leave together (after a :class:`StopOrder`): a rank that tears its connections
+        down while another still talks on them takes that one down with it."""
         if dist.is_initialized():
+            dist.barrier()
             dist.destroy_process_group()
 
 

@@ -48,6 +48,9 @@ from schemas.config import Config
 from schemas.events import Rollback, Scored
 
 DEFAULT_RENDEZVOUS = "tcp://127.0.0.1:29511"
+#: how long a follower waits for the leader's next order (a run may idle for hours); a
+#: leader that dies closes its connections, which ends its followers at once
+WAIT_LIMIT = dt.timedelta(hours=24)
 log = structlog.get_logger(__name__)
 
 
@@ -89,11 +92,11 @@ class DataParallel:
         self.device = device
         if not dist.is_initialized():
             backend = "nccl" if device.type == "cuda" else "gloo"
-            log.info("learner group: joining", rank=member.rank, world_size=member.world_size,
-                     backend=backend, init_method=member.init_method)
+            log.warning("learner group: joining (waits for every rank)", rank=member.rank,
+                        world_size=member.world_size, backend=backend,
+                        init_method=member.init_method)
             dist.init_process_group(backend, init_method=member.init_method, rank=member.rank,
-                                    world_size=member.world_size,
-                                    timeout=dt.timedelta(minutes=30))
+                                    world_size=member.world_size, timeout=WAIT_LIMIT)
 
     def owned(self, rows: Iterable[int]) -> list[int]:
         """The rows this rank computes: row ``i`` belongs to rank ``i % world_size``."""
@@ -319,6 +322,8 @@ def run_follower(cfg: Config, member: Membership):
 
 
 def select_device(environ) -> None:
-    """One GPU per local rank (torchrun's ``LOCAL_RANK``), before any model is built."""
-    if torch.cuda.is_available() and "LOCAL_RANK" in environ:
-        torch.cuda.set_device(int(environ["LOCAL_RANK"]))
+    """One GPU per process (torchrun's ``LOCAL_RANK``, else ``RANK``, modulo the GPUs
+    this process sees), before any model is built; nothing without a GPU."""
+    if torch.cuda.is_available():
+        local = int(environ.get("LOCAL_RANK", environ.get("RANK", 0)))
+        torch.cuda.set_device(local % torch.cuda.device_count())

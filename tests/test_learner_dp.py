@@ -1,8 +1,15 @@
-"""The data-parallel learner (``gyre_async.core.learner_dp``): two gloo processes, a leader
-and a follower, train on the same batches as one learner and end with its weights.
+"""The data-parallel learner (``gyre_async.core.learner_dp``): two gloo processes train on
+the same batches as one learner and end with its weights.
 
-Two updates, so the second one starts from Adam moments and the critic's refit (every 2nd
-update in this config) runs too; minibatches of 48 steps are split across the two ranks.
+Two checks in the same two processes (one spawn keeps the test fast):
+
+- exactness: one update with plain SGD and 3-step minibatches (so a rank often owns no
+  row of a minibatch), the critic refit included, equals one learner's to 1e-6; SGD moves
+  the weights by the gradient itself, so any error in the loss shares would show.
+- the real path: a leader and a follower (the orders, Adam) through two updates, so the
+  second starts from Adam moments and the refit (every 2nd update here) runs. Adam divides
+  each gradient element by its own magnitude, which magnifies float32 rounding on elements
+  near zero, so that check allows 2e-5 (at learning rate 3e-3).
 """
 
 from __future__ import annotations
@@ -46,21 +53,41 @@ def weights(core: LearnerCore) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in core.policy._model.state_dict().items()}
 
 
+def sgd_update(core: LearnerCore, store: SegmentStore, scored) -> dict[str, torch.Tensor]:
+    core.optimizer = torch.optim.SGD(core.policy.parameters(), lr=core.learning_rate)
+    core.publish("init", REF, "learner", {})
+    for offset, segment in enumerate(scored):
+        assert core.add(segment, (0, offset)) is None
+    core.attach_arrays(store.read_many(core.buffered_addresses()))
+    assert isinstance(core.update(), TrainResult)
+    return weights(core)
+
+
+def sgd_config(cfg):
+    return replace(cfg, learner=replace(cfg.learner, minibatch_steps=3, epochs=1,
+                                        value_refit_every=1))
+
+
 def _rank_main(rank: int, cfg, batches, out_dir: str) -> None:
     torch.set_num_threads(1)
     member = Membership(rank, 2, cfg.learner.rendezvous)
+    sgd_cfg = sgd_config(cfg)
+    torch.manual_seed(cfg.run.seed)
+    policy = build_policy(sgd_cfg)
+    dp = LearnerGroup(member).attach(policy)  # the group the protocol below reuses
+    store = SegmentStore(f"{cfg.run.run_dir}/segments.zarr", read_only=True)
+    sgd = sgd_update(LearnerCore(sgd_cfg, policy, None, dp), store, batches[0])
     if rank == 0:
         group = LearnerGroup(member)
         torch.manual_seed(cfg.run.seed)
         policy = build_policy(cfg)
         core = LearnerCore(cfg, policy, None, group.attach(policy))
-        store = SegmentStore(f"{cfg.run.run_dir}/segments.zarr", read_only=True)
         metrics = train(core, store, batches, group)
         group.stop()
     else:
         core, metrics = run_follower(cfg, member), None
-    torch.save({"weights": weights(core), "metrics": metrics, "version": core.version},
-               f"{out_dir}/rank{rank}.pt")
+    torch.save({"weights": weights(core), "metrics": metrics, "version": core.version,
+                "sgd": sgd}, f"{out_dir}/rank{rank}.pt")
 
 
 def test_two_gloo_ranks_update_exactly_like_one_learner(tmp_path):
@@ -69,6 +96,8 @@ def test_two_gloo_ranks_update_exactly_like_one_learner(tmp_path):
     behaviour = build_policy(cfg)
     batches = [make_batch(cfg, behaviour, store, b) for b in range(1, BATCHES + 1)]
 
+    torch.manual_seed(cfg.run.seed)
+    single_sgd = sgd_update(LearnerCore(sgd_config(cfg), build_policy(cfg)), store, batches[0])
     torch.manual_seed(cfg.run.seed)
     single = LearnerCore(cfg, build_policy(cfg))
     single_metrics = train(single, store, batches)
@@ -79,6 +108,9 @@ def test_two_gloo_ranks_update_exactly_like_one_learner(tmp_path):
     mp.spawn(_rank_main, args=(group_cfg, batches, str(tmp_path)), nprocs=2, join=True)
     leader, follower = (torch.load(f"{tmp_path}/rank{r}.pt") for r in (0, 1))
 
+    for name, expected in single_sgd.items():
+        for rank in (leader, follower):
+            assert torch.allclose(rank["sgd"][name], expected, rtol=0, atol=1e-6), name
     assert follower["version"] == BATCHES - 1  # it saw every update (the leader publishes)
     for name, expected in weights(single).items():
         assert torch.equal(leader["weights"][name], follower["weights"][name]), name

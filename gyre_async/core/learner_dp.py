@@ -35,8 +35,9 @@ from __future__ import annotations
 
 import datetime as dt
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import structlog
@@ -44,6 +45,9 @@ import torch
 import torch.distributed as dist
 
 from gyre_async.errors import ConfigError
+
+if TYPE_CHECKING:
+    from gyre_async.core.learner import LearnerCore
 from schemas.config import Config
 from schemas.events import Rollback, Scored
 
@@ -67,7 +71,7 @@ class Membership:
         return self.rank == 0
 
 
-def membership(cfg: Config, environ: dict[str, str] | None = None) -> Membership:
+def membership(cfg: Config, environ: Mapping[str, str] | None = None) -> Membership:
     """Rank and world size as torchrun sets them (``RANK``, ``WORLD_SIZE``), else rank 0 of
     ``learner.world_size``; the rendezvous is ``learner.rendezvous``, else ``env://`` when
     ``MASTER_ADDR`` is set, else :data:`DEFAULT_RENDEZVOUS` (one machine)."""
@@ -121,13 +125,14 @@ class DataParallel:
                                        device=self.device),
                           torch.tensor(list(stats), dtype=torch.float32, device=self.device)])
         dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-        flags = flat[sum(p.numel() for p in params):]
+        start = sum(p.numel() for p in params)
+        tail = flat[start:].tolist()  # one device sync: the flags, then the stats
         start = 0
-        for index, p in enumerate(params):
+        for p, has_grad in zip(params, tail):
             piece = flat[start:start + p.numel()].view_as(p).to(p.device, p.dtype)
             start += p.numel()
-            p.grad = piece if float(flags[index]) > 0 else None
-        return flags[len(params):].tolist()
+            p.grad = piece if has_grad > 0 else None
+        return tail[len(params):]
 
     def broadcast_parameters(self, module) -> None:
         """Every rank takes rank 0's weights (start, restart, rollback)."""
@@ -231,18 +236,18 @@ class LearnerGroup:
             self.dp = DataParallel(self.member, next(iter(policy.parameters())).device)
         return self.dp
 
-    def started(self, core, resumed: bool) -> None:
+    def started(self, core: LearnerCore, resumed: bool) -> None:
         if self.dp is not None:
             self.dp.send(StartOrder(core.version, core.learning_rate, resumed))
             self.dp.broadcast_parameters(core.policy)
 
-    def rolled_back(self, core, order: Rollback) -> None:
+    def rolled_back(self, core: LearnerCore, order: Rollback) -> None:
         """Before ``core.rollback(order)``: the followers take the restored weights."""
         if self.dp is not None:
             self.dp.send(RollbackOrder(core.version, order))
             self.dp.broadcast_parameters(core.policy)
 
-    def update(self, core):
+    def update(self, core: LearnerCore):
         """``core.update()`` on every rank, on the leader's batch."""
         if self.dp is None:
             return core.update()
@@ -258,7 +263,7 @@ class LearnerGroup:
             self.dp = None
 
 
-def follow(core, dp: DataParallel) -> None:
+def follow(core: LearnerCore, dp: DataParallel) -> None:
     """A follower's life: mirror the leader's updates, rollbacks and restarts until it stops.
 
     ``core`` is a :class:`~gyre_async.core.learner.LearnerCore` built from the same config
@@ -303,7 +308,7 @@ def follows_leader(cfg: Config, rank: int | None = None) -> bool:
     return True
 
 
-def run_follower(cfg: Config, member: Membership):
+def run_follower(cfg: Config, member: Membership) -> LearnerCore:
     """``gyre actor learner`` on a rank > 0: no bus, only the leader's orders. Returns the
     core it followed with (its weights and counters: what tests and benches compare)."""
     from gyre_async.compose import build_policy, build_tokenizer
@@ -314,14 +319,12 @@ def run_follower(cfg: Config, member: Membership):
     policy = build_policy(cfg, build_tokenizer(cfg))
     dp = DataParallel(member, next(iter(policy.parameters())).device)
     core = LearnerCore(cfg, policy, None, dp)
-    try:
-        follow(core, dp)
-    finally:
-        dp.close()
+    follow(core, dp)  # an error ends the process: the leader's next collective fails too
+    dp.close()
     return core
 
 
-def select_device(environ) -> None:
+def select_device(environ: Mapping[str, str]) -> None:
     """One GPU per process (torchrun's ``LOCAL_RANK``, else ``RANK``, modulo the GPUs
     this process sees), before any model is built; nothing without a GPU."""
     if torch.cuda.is_available():

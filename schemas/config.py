@@ -290,7 +290,8 @@ class LearnerConfig(Strict):
     rendezvous: str = ""
     """Where the learner processes meet (torch.distributed init method, e.g.
     ``tcp://host:29511`` or ``file:///shared/dir/rendezvous``); "": ``env://`` when
-    ``MASTER_ADDR`` is set (torchrun), else tcp://127.0.0.1:29511 (one machine)."""
+    ``MASTER_ADDR`` is set (torchrun), else tcp://127.0.0.1:29511 (one machine). A file://
+    rendezvous must not exist yet when the group (re)starts."""
 
 
 class MacroSection(Strict):

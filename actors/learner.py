@@ -8,6 +8,8 @@ train on, runs the update and follows rollbacks: this module moves events and by
 (segment arrays in, checkpoints out) and keeps the slow parts off the event loop.
 Restart: it resumes from its latest ``policy-version`` checkpoint; buffered, untrained
 segments are redelivered because the runtime never commits past them (``commit_floor``).
+Data-parallel (``learner.world_size > 1``): this is rank 0, the only learner on the bus;
+``self.group`` hands each update, rollback and restart to the others (``core.learner_dp``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from gyre_async.audit.redelivery import recently_trained
 from gyre_async.audit.runlog import current_policy_version
 from gyre_async.compose import build_policy, build_tokenizer, load_weights, save_weights
 from gyre_async.core.learner import Dropped, LearnerCore, TrainResult, VersionReason
+from gyre_async.core.learner_dp import LearnerGroup, membership
 from gyre_async.experience.elite import open_elite_pool
 from gyre_async.runtime.actor import Actor, Emit
 from gyre_async.storage.checkpoints import CheckpointStore
@@ -52,9 +55,11 @@ class Learner(Actor):
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
+        self.group = LearnerGroup(membership(cfg))  # alone unless learner.world_size > 1
         torch.manual_seed(cfg.run.seed)
         self.policy = build_policy(cfg, build_tokenizer(cfg))
-        self.core = LearnerCore(cfg, self.policy, open_elite_pool(cfg))
+        self.core = LearnerCore(cfg, self.policy, open_elite_pool(cfg),
+                                self.group.attach(self.policy))
         self.checkpoints = CheckpointStore(cfg.learner.checkpoints
                                            or f"{cfg.run.run_dir}/checkpoints")
         self.train_seconds = 0.0
@@ -74,11 +79,15 @@ class Learner(Actor):
         latest = await current_policy_version(bus)
         if latest is None:
             await self.runner.emit([await self._publish("init", {})])
-            return
-        await asyncio.to_thread(load_weights, self.policy, latest.checkpoint,
-                                latest.checkpoint_hash)
-        self.core.restore(latest, await restore_outcome_book(bus, self.cfg.sampler.group_size),
-                          await recently_trained(bus, self.cfg.run.run_id))
+        else:
+            await asyncio.to_thread(load_weights, self.policy, latest.checkpoint,
+                                    latest.checkpoint_hash)
+            self.core.restore(latest, await restore_outcome_book(
+                bus, self.cfg.sampler.group_size), await recently_trained(bus, self.cfg.run.run_id))
+        await asyncio.to_thread(self.group.started, self.core, latest is not None)
+
+    async def on_stop(self) -> None:
+        await asyncio.to_thread(self.group.stop)
 
     async def handle(self, event, record):
         match event:
@@ -90,6 +99,7 @@ class Learner(Actor):
             case Rollback() if self.core.follows(event):
                 await asyncio.to_thread(load_weights, self.policy, event.checkpoint,
                                         event.checkpoint_hash)
+                await asyncio.to_thread(self.group.rolled_back, self.core, event)
                 dropped_all = self.core.rollback(event)
                 stats = {"keeper/restored_version": float(event.restore_version),
                          "keeper/regressed_version": float(event.regressed_version)}
@@ -108,7 +118,7 @@ class Learner(Actor):
             bad = await asyncio.to_thread(unreadable_segments, self.segments, addresses)
             return [self._dropped(d) for d in self.core.drop_buffer("unreadable", bad)]
         self.core.attach_arrays(arrays)
-        outcome = await asyncio.to_thread(_timed, "learner", self.core.update)
+        outcome = await asyncio.to_thread(_timed, "learner", lambda: self.group.update(self.core))
         if not isinstance(outcome, TrainResult):
             return [self._dropped(d) for d in outcome]
         self.train_seconds += time.monotonic() - started

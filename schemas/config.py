@@ -290,6 +290,15 @@ class LearnerConfig(Strict):
     learning rate times ``fault_lr_spike_factor`` (0: never). Shows the keeper at work."""
     fault_lr_spike_factor: float = 1.0
     """Learning-rate multiplier (> 0) of the injected fault (see ``fault_lr_spike_version``)."""
+    world_size: int = 1
+    """Learner processes training data-parallel (gyre_async.core.learner_dp): rank 0 owns
+    the bus, the checkpoints and the versions; the others follow it. torchrun's
+    ``WORLD_SIZE`` overrides it; each process takes its rank from ``RANK`` (or --rank)."""
+    rendezvous: str = ""
+    """Where the learner processes meet (torch.distributed init method, e.g.
+    ``tcp://host:29511`` or ``file:///shared/dir/rendezvous``); "": ``env://`` when
+    ``MASTER_ADDR`` is set (torchrun), else tcp://127.0.0.1:29511 (one machine). A file://
+    rendezvous must not exist yet when the group (re)starts."""
 
 
 class MacroSection(Strict):

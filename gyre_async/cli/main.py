@@ -62,6 +62,9 @@ def _parser() -> argparse.ArgumentParser:
     actor.add_argument("--metrics-port", type=int, metavar="PORT",
                        help="serve Prometheus metrics at http://0.0.0.0:PORT/metrics and "
                        "liveness at /healthz (default: off)")
+    actor.add_argument("--rank", type=int, help="learner: this process's rank in a "
+                       "data-parallel learner of learner.world_size (default: $RANK as "
+                       "torchrun sets it, else 0); ranks > 0 follow rank 0, off the bus")
 
     tail = sub.add_parser("tail", help="print a topic's events as JSON lines",
                           description="Subscribe to a topic and print each event as one JSON "
@@ -149,7 +152,8 @@ def _replica(args, cfg):
     """``--replica I/N``: the config and actor name of replica I of N of a role.
 
     A sampler replica gets ``sampler.replica = I``, ``sampler.replicas = N`` (its seeds,
-    and its share of the staleness budget); every replica is named ``ROLE-I`` unless
+    and its share of the staleness budget); a learner replica is rank I of a data-parallel
+    learner of ``world_size = N`` (rank 0 leads and publishes); every replica is named ``ROLE-I`` unless
     ``--name`` says otherwise (its trajectory ids, and a sampler's own consumer group).
     """
     if not args.replica:
@@ -161,11 +165,16 @@ def _replica(args, cfg):
         replica = replicas = -1
     if not 0 <= replica < replicas:
         raise ConfigError(f"--replica {args.replica!r}: give I/N with 0 <= I < N, e.g. 0/4")
-    if args.role == "sampler":
-        import msgspec
+    import msgspec
 
+    if args.role == "sampler":
         cfg = msgspec.structs.replace(cfg, sampler=msgspec.structs.replace(
             cfg.sampler, replica=replica, replicas=replicas))
+    if args.role == "learner":  # replica I of N is rank I of a data-parallel learner
+        cfg = msgspec.structs.replace(cfg, learner=msgspec.structs.replace(
+            cfg.learner, world_size=replicas))
+        if args.rank is None:
+            args.rank = replica
     return cfg, args.name or f"{args.role}-{replica}"
 
 
@@ -174,6 +183,11 @@ def _dispatch(args) -> int:
 
     if args.command == "actor":
         cfg, name = _replica(args, _config(args))
+        if args.role == "learner":
+            from gyre_async.core.learner_dp import follows_leader
+
+            if follows_leader(cfg, args.rank):  # a data-parallel learner's rank > 0
+                return 0
         run_main(lambda: run_actor(args.role, cfg, args.bus, name, args.metrics_port))
         return 0
     if args.command == "run":

@@ -35,11 +35,12 @@ import numpy as np
 import torch
 
 from gyre_async.core.learner_batch import BatchItem, PreparedBatch, prepare_batch
+from gyre_async.core.learner_dp import AveragedSteps, DataParallel
+from gyre_async.core.learner_ppo import PpoEpochs
 from gyre_async.experience.elite import ElitePool, offer_trained, sample_for
 from gyre_async.rl.critic import CriticGuard, Divergence, complete_returns
-from gyre_async.rl.finite import NonFiniteBatch, check_batch_finite, check_loss_finite
+from gyre_async.rl.finite import NonFiniteBatch, check_batch_finite
 from gyre_async.rl.fusion import OutcomeBook
-from gyre_async.rl.ppo import broadcast_step_advantages, ppo_policy_loss, value_loss
 from gyre_async.rl.staleness import StalenessGate
 from gyre_async.storage.checkpoints import CheckpointRef
 from schemas import event_id
@@ -81,16 +82,14 @@ def _finite_or(x: float, fallback: float = -1.0) -> float:
     return fallback if math.isnan(x) else max(min(x, 1e300), -1e300)
 
 
-def _index_slices(n: int, size: int) -> list[list[int]]:
-    return [list(range(start, min(n, start + size))) for start in range(0, n, size)]
-
-
 class LearnerCore:
     """The learner's state (buffer, optimizer, critic defences, counters) and its update."""
 
-    def __init__(self, cfg: Config, policy, elite: ElitePool | None = None):
+    def __init__(self, cfg: Config, policy, elite: ElitePool | None = None,
+                 dp: DataParallel | None = None):
         self.cfg = cfg
         self.policy = policy
+        self.dp = dp  # a data-parallel group (gyre_async.core.learner_dp), None: alone
         self.optimizer = torch.optim.Adam(policy.parameters(), lr=cfg.learner.learning_rate)
         self.buffer: list[Buffered] = []
         self.outcomes = OutcomeBook(cfg.sampler.group_size)  # global advantage (rl/fusion.py)
@@ -224,8 +223,11 @@ class LearnerCore:
         for item, array in zip(self.buffer, arrays):
             item.arrays = array
 
-    def update(self) -> TrainResult | list[Dropped]:
-        """One update on the buffered segments (arrays attached), elite ones mixed in."""
+    def update(self, global_adv: list[float] | None = None) -> TrainResult | list[Dropped]:
+        """One update on the buffered segments (arrays attached), elite ones mixed in.
+
+        ``global_adv``: the batch's outcome advantages when a data-parallel leader already
+        computed them (:meth:`global_advantages`); None computes them here."""
         fresh = list(self.buffer)  # refused together if non-finite (elite picks aside)
         steps = self.buffered_steps
         staleness = max(self.version - b.scored.min_policy_version for b in fresh)
@@ -238,7 +240,7 @@ class LearnerCore:
                  if self.version + 1 == settings.fault_lr_spike_version else 1.0)
         self.set_learning_rate(self.learning_rate * spike)  # fault injection (config)
         try:
-            result = self.train(elite)
+            result = self.train(elite, global_adv)
         except NonFiniteBatch as exc:  # refused before optimizer.step, visibly, per segment
             self.done_trajectories.clear()
             return [self._drop(b.scored, exc.reason) for b in fresh]
@@ -254,14 +256,20 @@ class LearnerCore:
         self.done_trajectories.clear()
         return replace(result, metrics=metrics)
 
-    def train(self, elite: Sequence[BatchItem] = ()) -> TrainResult:
+    def global_advantages(self, items: Sequence[BatchItem]) -> list[float]:
+        """Per segment, its trajectory's group-relative outcome advantage (NaN: unknown)."""
+        return self.outcomes.global_advantages(
+            [(b.scored.trajectory_id, b.scored.task_id, b.scored.trajectory_done)
+             for b in items])
+
+    def train(self, elite: Sequence[BatchItem] = (),
+              global_adv: list[float] | None = None) -> TrainResult:
         """One PPO update on everything buffered (plus ``elite``); empties the buffer."""
         settings = self.cfg.learner
         fresh, self.buffer = self.buffer, []
         items: list[BatchItem] = [*fresh, *elite]
-        global_adv = self.outcomes.global_advantages(
-            [(b.scored.trajectory_id, b.scored.task_id, b.scored.trajectory_done)
-             for b in items])
+        if global_adv is None:
+            global_adv = self.global_advantages(items)
         prep = prepare_batch(self.policy, items, settings.gamma, settings.lam, global_adv,
                              settings.credit, settings.fusion_max_weight)
         ids = [it.scored.segment_id for it in items]
@@ -279,7 +287,7 @@ class LearnerCore:
         self.critic.start(self.policy, prep.rewards)
         if self.critic.screen(self.policy, self.optimizer, prep.local_advantages):
             return result({**prep.credit_stats(), "critic/skipped_update": 1.0}, True)
-        metrics = self._optimise(prep, ids)
+        metrics = PpoEpochs(self.policy, self.optimizer, settings, prep, ids, self.dp).run()
         metrics.update({
             "charts/batch_steps": float(prep.n), "charts/batch_segments": float(len(items)),
             "charts/mean_reward": float(np.mean(prep.rewards)),
@@ -293,56 +301,6 @@ class LearnerCore:
         metrics.update(prep.credit_stats())
         return result(metrics, False)
 
-    def _optimise(self, prep: PreparedBatch, ids: list[str]) -> dict[str, float]:
-        """Decoupled PPO epochs over ``prep`` (see ``gyre_async.rl.ppo``); mean losses."""
-        settings = self.cfg.learner
-        n, contexts, actions = prep.n, prep.contexts, prep.actions
-        adv = prep.advantages
-        adv_norm = (adv - adv.mean()) / (adv.std() + 1e-8) if n > 1 else adv
-        width = max(len(a) for a in actions)
-        behaviour = torch.zeros(n, width)
-        token_mask = torch.zeros(n, width, dtype=torch.bool)
-        for i, logprobs in enumerate(prep.behaviour_logprobs):
-            behaviour[i, : len(logprobs)] = torch.tensor(logprobs)
-            token_mask[i, : len(logprobs)] = True
-        with torch.no_grad():
-            proximal = torch.zeros(n, width)
-            for rows in _index_slices(n, 1024):
-                out = self.policy.evaluate([contexts[i] for i in rows],
-                                           [actions[i] for i in rows])
-                proximal[rows, : out.logprobs.shape[1]] = out.logprobs.float()
-        check_batch_finite({}, {"proximal_logprobs": proximal}, ids)
-        stats: dict[str, list[float]] = {}
-        gen = torch.Generator().manual_seed(n)
-        for _ in range(settings.epochs):
-            perm = torch.randperm(n, generator=gen).tolist()
-            for start in range(0, n, settings.minibatch_steps):
-                mb = perm[start : start + settings.minibatch_steps]
-                out = self.policy.evaluate([contexts[i] for i in mb], [actions[i] for i in mb])
-                cols = out.logprobs.shape[1]
-                mask = token_mask[mb, :cols]
-                tok_adv = broadcast_step_advantages(adv_norm[mb], mask)
-                policy_loss, policy_stats = ppo_policy_loss(
-                    out.logprobs, proximal[mb, :cols], behaviour[mb, :cols], tok_adv, mask,
-                    settings.clip_eps, settings.is_cap)
-                critic_loss = value_loss(out.values.float(), prep.values[mb], prep.returns[mb],
-                                         clip=settings.value_clip or None)
-                entropy = (out.entropy * mask).sum() / mask.sum().clamp(min=1)
-                loss = (policy_loss + settings.value_coef * critic_loss
-                        - settings.entropy_coef * entropy)
-                check_loss_finite(loss, ids)
-                self.optimizer.zero_grad()
-                loss.backward()
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(),
-                                                           settings.max_grad_norm)
-                self.optimizer.step()
-                for key, val in {**policy_stats, "policy_loss": float(policy_loss.detach()),
-                                 "value_loss": float(critic_loss.detach()),
-                                 "entropy": float(entropy.detach()),
-                                 "grad_norm": float(grad_norm)}.items():
-                    stats.setdefault(key, []).append(val)
-        return {f"losses/{k}": float(np.mean(vals)) for k, vals in stats.items()}
-
     def _refit(self, items: list[BatchItem], prep: PreparedBatch) -> float:
         """The critic's periodic supervised refit on the batch's complete Monte-Carlo returns."""
         mc = complete_returns([it.scored.step_rewards for it in items],
@@ -353,7 +311,9 @@ class LearnerCore:
         keep = [i for i, r in enumerate(flat) if r is not None]
         if not keep:
             return 0.0
-        return self.critic.refit(self.policy, self.optimizer, [prep.contexts[i] for i in keep],
+        optimizer = (self.optimizer if self.dp is None else  # every rank refits on all rows
+                     AveragedSteps(self.optimizer, self.dp, list(self.policy.parameters())))
+        return self.critic.refit(self.policy, optimizer, [prep.contexts[i] for i in keep],
                                  [prep.actions[i] for i in keep],
                                  torch.tensor([flat[i] for i in keep]),
                                  self.cfg.learner.max_grad_norm)

@@ -30,7 +30,8 @@ Behaviour:
 - ``--replicas sampler=4`` runs N processes of a role, named ``ROLE-0`` .. ``ROLE-(N-1)``
   (``gyre actor ROLE --replica I/N``), each supervised on its own. Samplers scale by
   environments (each replica its own seeds, ids, policy-version group and share of the
-  staleness budget). The other roles run once per run for now: the segment store has one
+  staleness budget); ``--replicas learner=2`` runs a data-parallel learner (replica I is
+  rank I of ``world_size`` N; rank 0 alone is on the bus). The other roles run once per run for now: the segment store has one
   writer, and the segmenter's and arbiter's restart state is folded from their own outputs
   at start, not per partition, so a partition that moves between two members mid-run
   would be segmented or paid again (docs/bus.md, "Many samplers").
@@ -59,7 +60,7 @@ BACKOFF_CAP_S = 10.0
 STABLE_AFTER_S = 60.0
 POLL_S = 0.2
 #: roles that may run as several processes (``--replicas``); the others hold the run's state
-REPLICABLE = ("sampler", "echo")
+REPLICABLE = ("sampler", "learner", "echo")
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:

@@ -1,0 +1,123 @@
+"""The learner's decoupled-PPO epochs over a prepared batch, alone or data-parallel.
+
+:class:`PpoEpochs` is the optimisation half of an update (``LearnerCore.train`` does the
+rest: admission, advantages, critic defences). Its batch-wide quantities (advantage
+normalisation, behaviour and proximal log-probs, the minibatch permutation) are computed
+whole; only the minibatch loss is split when a data-parallel group is given. With one
+process every share below is exactly 1, so the single learner's arithmetic is unchanged.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from gyre_async.core.learner_batch import PreparedBatch
+from gyre_async.core.learner_dp import DataParallel
+from gyre_async.rl.finite import check_batch_finite, check_loss_finite
+from gyre_async.rl.ppo import broadcast_step_advantages, ppo_policy_loss, value_loss
+from schemas.config import LearnerConfig
+
+#: what one gradient step reads out, in the order a data-parallel all-reduce carries them
+MINIBATCH_READINGS = ("clip_fraction", "approx_kl", "importance_weight_mean",
+                      "importance_weight_capped", "policy_loss", "value_loss", "entropy", "loss")
+
+
+def index_slices(n: int, size: int) -> list[list[int]]:
+    return [list(range(start, min(n, start + size))) for start in range(0, n, size)]
+
+
+class PpoEpochs:
+    """``settings.epochs`` passes of minibatch gradient steps over one prepared batch."""
+
+    def __init__(self, policy, optimizer: torch.optim.Optimizer, settings: LearnerConfig,
+                 prep: PreparedBatch, ids: list[str], dp: DataParallel | None = None):
+        self.policy, self.optimizer, self.settings = policy, optimizer, settings
+        self.prep, self.ids, self.dp = prep, ids, dp
+        n, adv = prep.n, prep.advantages
+        self.adv_norm = (adv - adv.mean()) / (adv.std() + 1e-8) if n > 1 else adv
+        width = max(len(a) for a in prep.actions)
+        self.behaviour = torch.zeros(n, width)
+        self.token_mask = torch.zeros(n, width, dtype=torch.bool)
+        for i, logprobs in enumerate(prep.behaviour_logprobs):
+            self.behaviour[i, : len(logprobs)] = torch.tensor(logprobs)
+            self.token_mask[i, : len(logprobs)] = True
+        self.proximal = self._proximal_logprobs(width)
+        check_batch_finite({}, {"proximal_logprobs": self.proximal}, ids)
+
+    def run(self) -> dict[str, float]:
+        """Decoupled PPO epochs (see ``gyre_async.rl.ppo``); the mean of each reading.
+
+        With a data-parallel group each rank computes only the rows it owns, its losses
+        scaled to their share of the whole minibatch, and the gradients are summed before
+        clipping (see ``gyre_async.core.learner_dp``)."""
+        settings, n = self.settings, self.prep.n
+        params = list(self.policy.parameters())
+        stats: dict[str, list[float]] = {}
+        gen = torch.Generator().manual_seed(n)  # the same permutation on every rank
+        for _ in range(settings.epochs):
+            perm = torch.randperm(n, generator=gen).tolist()
+            for start in range(0, n, settings.minibatch_steps):
+                mb = perm[start : start + settings.minibatch_steps]
+                mine = self.dp.owned(mb) if self.dp else mb
+                self.optimizer.zero_grad()
+                readings = (self._minibatch_loss(mine, len(mb), int(self.token_mask[mb].sum()))
+                            if mine else dict.fromkeys(MINIBATCH_READINGS, 0.0))
+                if self.dp is not None:  # one all-reduce: gradients and readings
+                    summed = self.dp.sum_gradients(params, list(readings.values()))
+                    readings = dict(zip(readings, summed))
+                    check_loss_finite(torch.tensor(readings.pop("loss")), self.ids)
+                else:
+                    readings.pop("loss")
+                grad_norm = torch.nn.utils.clip_grad_norm_(params, settings.max_grad_norm)
+                self.optimizer.step()
+                for key, val in {**readings, "grad_norm": float(grad_norm)}.items():
+                    stats.setdefault(key, []).append(val)
+        return {f"losses/{k}": float(np.mean(vals)) for k, vals in stats.items()}
+
+    def _proximal_logprobs(self, width: int) -> torch.Tensor:
+        """Log-probs [n, width] of the actions under the weights before the update (each
+        rank computes the rows it owns; the sum over ranks fills every row)."""
+        prep = self.prep
+        proximal = torch.zeros(prep.n, width)
+        with torch.no_grad():
+            for rows in index_slices(prep.n, 1024):
+                rows = self.dp.owned(rows) if self.dp else rows
+                if not rows:
+                    continue
+                out = self.policy.evaluate([prep.contexts[i] for i in rows],
+                                           [prep.actions[i] for i in rows])
+                proximal[rows, : out.logprobs.shape[1]] = out.logprobs.float()
+        return self.dp.sum(proximal) if self.dp else proximal
+
+    def _minibatch_loss(self, rows: list[int], mb_rows: int, mb_tokens: int
+                        ) -> dict[str, float]:
+        """Back-propagate the loss of ``rows``, a share of a minibatch of ``mb_rows`` steps
+        and ``mb_tokens`` action tokens: token means are taken over the minibatch's tokens
+        and step means over its steps, so the shares of all ranks add up to its loss.
+        Returns the readings (the loss's parts, the PPO statistics), each scaled likewise."""
+        settings, prep, dp = self.settings, self.prep, self.dp
+        out = self.policy.evaluate([prep.contexts[i] for i in rows],
+                                   [prep.actions[i] for i in rows])
+        cols = out.logprobs.shape[1]
+        mask = self.token_mask[rows, :cols]
+        token_share = int(mask.sum()) / max(mb_tokens, 1) if dp else 1.0
+        row_share = len(rows) / mb_rows if dp else 1.0
+        tok_adv = broadcast_step_advantages(self.adv_norm[rows], mask)
+        policy_loss, policy_stats = ppo_policy_loss(
+            out.logprobs, self.proximal[rows, :cols], self.behaviour[rows, :cols], tok_adv,
+            mask, settings.clip_eps, settings.is_cap)
+        critic_loss = value_loss(out.values.float(), prep.values[rows], prep.returns[rows],
+                                 clip=settings.value_clip or None)
+        entropy = (out.entropy * mask).sum() / (max(mb_tokens, 1) if dp
+                                                else mask.sum().clamp(min=1))
+        loss = (token_share * policy_loss + settings.value_coef * row_share * critic_loss
+                - settings.entropy_coef * entropy)
+        if dp is None:  # a group checks the summed loss, on every rank alike
+            check_loss_finite(loss, self.ids)
+        loss.backward()
+        readings = {key: token_share * val for key, val in policy_stats.items()}
+        readings.update({"policy_loss": token_share * float(policy_loss.detach()),
+                         "value_loss": row_share * float(critic_loss.detach()),
+                         "entropy": float(entropy.detach()), "loss": float(loss.detach())})
+        return {key: readings[key] for key in MINIBATCH_READINGS}  # the all-reduce's order

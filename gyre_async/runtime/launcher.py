@@ -31,10 +31,11 @@ Behaviour:
   (``gyre actor ROLE --replica I/N``), each supervised on its own. Samplers scale by
   environments (each replica its own seeds, ids, policy-version group and share of the
   staleness budget); ``--replicas learner=2`` runs a data-parallel learner (replica I is
-  rank I of ``world_size`` N; rank 0 alone is on the bus). The other roles run once per run for now: the segment store has one
-  writer, and the segmenter's and arbiter's restart state is folded from their own outputs
-  at start, not per partition, so a partition that moves between two members mid-run
-  would be segmented or paid again (docs/bus.md, "Many samplers").
+  rank I of ``world_size`` N; rank 0 alone is on the bus). The other roles run once per
+  run for now: the segment store has one writer, and the segmenter's and arbiter's restart
+  state is folded from their own outputs at start, not per partition, so a partition that
+  moves between two members mid-run would be segmented or paid again (docs/bus.md, "Many
+  samplers").
 """
 
 from __future__ import annotations

@@ -70,7 +70,7 @@ TopicPartition = tuple[str, int]
 class Consumer(abc.ABC):
     """One member of a consumer group, reading a fixed set of topics."""
 
-    group: str
+    group: str | None  # None: a reader outside any group (replay, tail)
     topics: tuple[str, ...]
 
     @abc.abstractmethod

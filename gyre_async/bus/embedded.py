@@ -302,7 +302,7 @@ class EmbeddedConsumer(Consumer):
             self._positions.setdefault(tp, pos)
 
     def _all_partitions(self) -> tuple[set[TopicPartition], dict[TopicPartition, int]]:
-        owned = set()
+        owned: set[TopicPartition] = set()
         for topic in self.topics:
             row = self._worker.conn.execute(
                 "SELECT partitions FROM topics WHERE name=?", (topic,)

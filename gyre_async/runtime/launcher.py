@@ -112,6 +112,13 @@ class Role:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    @property
+    def process(self) -> subprocess.Popen:
+        """The running (or last) process; only asked for once the role was started."""
+        if self.proc is None:
+            raise RuntimeError(f"role {self.name} has not been started")
+        return self.proc
+
 
 def describe_exit(code: int) -> str:
     """``exit 3`` or ``SIGKILL`` (Popen reports death by signal N as -N)."""
@@ -204,7 +211,7 @@ class Launcher:
         for role in self.roles:
             if role.alive:
                 try:
-                    role.proc.send_signal(sig)
+                    role.process.send_signal(sig)
                 except ProcessLookupError:
                     pass
 
@@ -216,8 +223,8 @@ class Launcher:
         role.proc = subprocess.Popen(role.argv, preexec_fn=preexec)  # noqa: PLW1509
         role.started_at = time.monotonic()
         role.restart_at = None
-        role.pids.append(role.proc.pid)
-        log.info("launcher.started", role=role.name, pid=role.proc.pid, restarts=role.restarts)
+        role.pids.append(role.process.pid)
+        log.info("launcher.started", role=role.name, pid=role.process.pid, restarts=role.restarts)
 
     def run(self) -> int:
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
@@ -257,7 +264,7 @@ class Launcher:
             role.last_exit = describe_exit(code)
             if code == 0:
                 role.done = True
-                log.info("launcher.role_done", role=role.name, pid=role.proc.pid)
+                log.info("launcher.role_done", role=role.name, pid=role.process.pid)
                 print(f"gyre launch: {role.name} finished (exit 0)", file=sys.stderr)
                 continue
             self._crashed(role, code, now)
@@ -271,18 +278,18 @@ class Launcher:
         limit = "∞" if self.max_restarts < 0 else str(self.max_restarts)
         if 0 <= self.max_restarts < role.restarts:
             self.failed = role.name
-            log.error("launcher.gave_up", role=role.name, pid=role.proc.pid,
+            log.error("launcher.gave_up", role=role.name, pid=role.process.pid,
                       exit=role.last_exit, exit_code=code, restarts=role.restarts - 1,
                       max_restarts=self.max_restarts)
-            print(f"gyre launch: {role.name} (pid {role.proc.pid}) died with "
+            print(f"gyre launch: {role.name} (pid {role.process.pid}) died with "
                   f"{role.last_exit}; restart limit {limit} reached, stopping", file=sys.stderr)
             return
         delay = backoff_s(role.streak)
         role.restart_at = now + delay
-        log.warning("launcher.restart", role=role.name, pid=role.proc.pid,
+        log.warning("launcher.restart", role=role.name, pid=role.process.pid,
                     exit=role.last_exit, exit_code=code, restart=role.restarts,
                     max_restarts=self.max_restarts, backoff_s=delay)
-        print(f"gyre launch: {role.name} (pid {role.proc.pid}) died with {role.last_exit}; "
+        print(f"gyre launch: {role.name} (pid {role.process.pid}) died with {role.last_exit}; "
               f"restart {role.restarts}/{limit} in {delay:g} s", file=sys.stderr)
 
     def shutdown(self) -> int:
@@ -295,8 +302,8 @@ class Launcher:
             time.sleep(POLL_S)
         for role in self.roles:
             if role.alive:
-                log.warning("launcher.kill", role=role.name, pid=role.proc.pid)
-                role.proc.kill()
+                log.warning("launcher.kill", role=role.name, pid=role.process.pid)
+                role.process.kill()
             if role.proc is not None:
                 role.last_exit = describe_exit(role.proc.wait())
             role.restart_at = None
@@ -359,7 +366,7 @@ def run(args) -> int:
         print(f"gyre launch: --replicas {exc}", file=sys.stderr)
         return 2
     base = args.metrics_port_base
-    roles = []
+    roles: list[Role] = []
     for name in names:
         for index in range(counts[name]):
             port = base + len(roles) if base else None

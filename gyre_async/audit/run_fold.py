@@ -95,6 +95,9 @@ class ActorSeen:
     last_ts: float = 0.0
     processed: int = 0
     lag: int = 0
+    #: the most inputs it had not handled yet at any heartbeat (``lag`` also counts what it
+    #: handled but holds on purpose): whether the actor kept pace over the run
+    max_unconsumed: int = 0
     history: collections.deque = field(default_factory=lambda: collections.deque(maxlen=6))
 
     def rate(self) -> float | None:
@@ -347,6 +350,7 @@ class RunFold:
             seen.history.clear()  # the actor restarted: its counter began again
         seen.role, seen.last_ts, seen.processed, seen.lag = e.role, e.ts, e.processed, e.lag
         seen.history.append((e.ts, e.processed))
+        seen.max_unconsumed = max(seen.max_unconsumed, int(e.stats.get("unconsumed", 0)))
 
 
 def _ts(event: Event) -> float:

@@ -131,4 +131,5 @@ def summarize(log: RunFold, wall_seconds: float) -> dict:
         "evals": [{"version": e.policy_version, "success": e.success_rate,
                    "score": e.mean_score} for e in log.evals],
         "undecodable_records": log.read.skipped,
+        "max_unconsumed": {name: seen.max_unconsumed for name, seen in sorted(log.actors.items())},
     }

@@ -91,6 +91,12 @@ class Actor:
         """
         return {}
 
+    def settled(self) -> bool:
+        """False while consumed input still waits in memory for work that will happen on
+        its own (e.g. closed segments waiting for their batched write); a draining run
+        waits for it. State held on purpose (open segments, a partial batch) is settled."""
+        return True
+
     def stats(self) -> dict[str, float]:
         """Counters for the heartbeat."""
         return {}
@@ -143,6 +149,9 @@ class ActorRunner:
         self._hb_seq = 0
         self._consumer = None
         self._held: dict[tuple[str, int], int] = {}  # next offsets held back by the floor
+        #: next offset to consume per partition (fetched *and* handled, outputs published)
+        self.position: dict[tuple[str, int], int] = {}
+        self._batch_open = False
         self.log = log.bind(run_id=run_id, actor=self.name)
         actor.runner = self
 
@@ -155,6 +164,36 @@ class ActorRunner:
         errors are retried like the consume loop's (see ``_publish_with_retry``)."""
         batches = self._batches(outputs)
         await self._retry_bus(lambda: self.bus.publish_and_commit(batches))
+
+    async def unconsumed(self) -> int:
+        """Records of the consumed topics this actor has not handled yet (end offset minus
+        position; the committed offset where it has not fetched a partition yet).
+
+        Unlike the committed lag it leaves out what the actor has handled but holds on
+        purpose (``commit_floor``): the measure of whether it keeps pace.
+        """
+        if not self.actor.consumes:
+            return 0
+        infos = {t.name: t for t in await self.bus.topics()}
+        # partitions another member of the group owns are not this actor's to catch up on
+        owned = self._consumer.assignment() if self._consumer is not None else None
+        total = 0
+        for topic in self.actor.consumes:
+            info = infos.get(topic)
+            if info is None:
+                continue
+            committed = await self.bus.committed(self.group, topic)
+            for partition, end in info.end_offsets.items():
+                if owned and (topic, partition) not in owned:
+                    continue
+                done = self.position.get((topic, partition), committed.get(partition, 0))
+                total += max(end - done, 0)
+        return total
+
+    async def caught_up(self) -> bool:
+        """Everything published to its topics so far is handled and its outputs are out."""
+        return (not self._batch_open and self.actor.settled()
+                and await self.unconsumed() == 0)
 
     async def sleep(self, seconds: float) -> bool:
         """Stop-aware sleep: returns True if the actor is stopping."""
@@ -216,6 +255,7 @@ class ActorRunner:
         while not self.stopping.is_set():
             await self.actor.ready()
             records = await self._consumer.fetch(self.max_in_flight, self.fetch_timeout_s)
+            self._batch_open = bool(records)
             if not records:
                 outputs = list(await self.actor.after_batch())
                 if outputs or self._held:
@@ -230,6 +270,8 @@ class ActorRunner:
             outputs.extend(await self.actor.after_batch())
             self._held.update(next_offsets)
             await self._publish_with_retry(outputs, self._apply_floor(next_offsets))
+            self.position.update(next_offsets)
+            self._batch_open = False
 
     def _apply_floor(self, offsets: dict[tuple[str, int], int]) -> dict[tuple[str, int], int]:
         """Never commit past what the actor's in-memory state still needs (commit_floor).
@@ -332,15 +374,17 @@ class ActorRunner:
             await self._send_heartbeat()
 
     async def _send_heartbeat(self) -> None:
-        lag = 0
+        lag = unconsumed = 0
         if self.actor.consumes:
             try:
                 lag = await self.bus.lag(self.group, self.actor.consumes)
+                unconsumed = await self.unconsumed()
             except Exception as exc:  # noqa: BLE001 - a heartbeat must not kill the actor
                 self.log.warning("heartbeat.lag_failed", error=str(exc))
-                lag = -1
+                lag = unconsumed = -1
         self._hb_seq += 1
-        stats = {"dead_letters": float(self.dead_letters), "duplicates": float(self.duplicates)}
+        stats = {"dead_letters": float(self.dead_letters), "duplicates": float(self.duplicates),
+                 "unconsumed": float(unconsumed)}
         stats.update(self.actor.stats())
         hb = Heartbeat(
             event_id=event_id("heartbeat", self.run_id, self.name, id(self), self._hb_seq),

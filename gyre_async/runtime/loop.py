@@ -25,6 +25,7 @@ from schemas.events import EvalResult
 from schemas.topics import ALL_TOPICS, EVAL, POLICY_VERSION, SEGMENT_CLOSED, TELEMETRY
 
 from gyre_async.runtime.actor import ActorRunner
+from gyre_async.audit.final_lag import final_lag, within_bound
 from gyre_async.audit.run_fold import RunFold
 from gyre_async.bus.reading import read_events
 from gyre_async.core.evaluation import Evaluation, eval_trigger
@@ -35,6 +36,13 @@ from gyre_async.runtime.topology import RUN_ROLES, build_actor
 from gyre_async.ui.tensorboard import write_tensorboard
 
 log = structlog.get_logger(__name__)
+
+#: Once the sampler stops, these roles handle what is already on the bus, in data-flow
+#: order, so the run ends with nothing in flight (only state held on purpose: open
+#: segments, a partial batch). The evaluator and keeper are not waited for: the final
+#: evaluation covers the latest version.
+DRAINED_ROLES = ("segmenter", "arbiter", "learner")
+DRAIN_TIMEOUT_S = 60.0
 
 
 class Progress:
@@ -138,6 +146,30 @@ async def _final_evaluation(cfg: Config, bus, progress: Progress) -> None:
     await bus.publish_and_commit([(EVAL, [(result.key.encode(), encode(result))])])
 
 
+async def _drain(runners: list[ActorRunner], tasks: list[asyncio.Task],
+                 timeout_s: float = DRAIN_TIMEOUT_S) -> None:
+    """Stop the source, then wait for each downstream role to catch up with the bus.
+
+    Stopping every role at once leaves the last steps, segments and scores unhandled:
+    the end of the run would show them as lag although no role fell behind.
+    """
+    by_role = {r.actor.role: (r, t) for r, t in zip(runners, tasks)}
+    if "sampler" in by_role:
+        sampler, task = by_role["sampler"]
+        sampler.stop()
+        await asyncio.gather(task, return_exceptions=True)  # a crash is raised by the caller
+    deadline = time.monotonic() + timeout_s
+    for role in DRAINED_ROLES:
+        if role not in by_role:
+            continue
+        runner, task = by_role[role]
+        while not task.done() and not await runner.caught_up():
+            if time.monotonic() >= deadline:
+                log.warning("run.drain_timeout", role=role, unconsumed=await runner.unconsumed())
+                return
+            await asyncio.sleep(0.05)
+
+
 async def run_loop(cfg: Config, *, bus_override: str | None = None, progress: bool = True,
                    roles: tuple[str, ...] = RUN_ROLES) -> dict:
     run_dir = cfg.run.run_dir
@@ -161,6 +193,10 @@ async def run_loop(cfg: Config, *, bus_override: str | None = None, progress: bo
             for task in done:
                 if task is not stopper and task.exception() is not None:
                     raise task.exception()  # an actor crashed: surface it, loudly
+            await _drain(runners, tasks)
+            for task in tasks:
+                if task.done() and not task.cancelled() and task.exception() is not None:
+                    raise task.exception()
         finally:
             stop.set()
             for r in runners:
@@ -169,6 +205,8 @@ async def run_loop(cfg: Config, *, bus_override: str | None = None, progress: bo
             await asyncio.gather(watcher, return_exceptions=True)
             shown.stop()
         await _final_evaluation(cfg, bus, shown)
+        lags = await final_lag(bus, {r.group: r.actor.consumes for r in runners
+                                     if r.actor.consumes})
         runlog = await load_runlog(bus)
     wall = time.monotonic() - started
     write_metrics(runlog, os.path.join(run_dir, "metrics.jsonl"))
@@ -178,6 +216,9 @@ async def run_loop(cfg: Config, *, bus_override: str | None = None, progress: bo
     summary = summarize(runlog, wall)
     summary["run_dir"] = os.path.abspath(run_dir)
     summary["mode"] = cfg.run.mode
+    summary["final_lag"] = lags
+    summary["final_lag_bound_env_steps"] = cfg.learner.batch_steps
+    summary["final_lag_within_bound"] = within_bound(lags, cfg.learner.batch_steps)
     with open(os.path.join(run_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     return summary

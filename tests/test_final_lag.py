@@ -1,0 +1,51 @@
+"""The end of a run, read from the bus: how far behind each consumer group is."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from test_role_cores import step
+
+from gyre_async.audit.final_lag import final_lag, within_bound
+from gyre_async.bus import open_bus
+from gyre_async.runtime.loop import run_loop
+from schemas import encode
+from schemas.topics import POLICY_VERSION, TRAJECTORY_STEP
+
+
+def test_final_lag_counts_uncommitted_records_and_their_env_steps(tmp_path):
+    async def scenario():
+        async with open_bus(f"sqlite:///{tmp_path}/events.db") as bus:
+            await bus.create_topics([TRAJECTORY_STEP, POLICY_VERSION], 1)
+            steps = [step("a", i) for i in range(10)]
+            await bus.publish(TRAJECTORY_STEP, [(b"a", encode(s)) for s in steps])
+            consumer = await bus.consumer("g", [TRAJECTORY_STEP])
+            await consumer.commit({(TRAJECTORY_STEP, 0): 7})
+            await consumer.close()
+            return await final_lag(bus, {"g": [TRAJECTORY_STEP], "idle": [TRAJECTORY_STEP]})
+
+    lags = asyncio.run(scenario())
+    assert lags["g"] == {"lag": 3, "env_steps": 3, "topics": {TRAJECTORY_STEP: 3}}
+    assert lags["idle"]["lag"] == 10 and lags["idle"]["env_steps"] == 10  # never committed
+    assert within_bound(lags, batch_steps=10) and not within_bound(lags, batch_steps=9)
+
+
+def test_tiny_run_ends_with_every_group_within_one_learner_batch(tiny):
+    cfg = tiny.config()
+    summary = asyncio.run(run_loop(cfg, progress=False))
+    on_disk = json.loads((tiny.tmp_path / "run" / "summary.json").read_text())
+    assert on_disk["final_lag"] == summary["final_lag"]
+    lags = summary["final_lag"]
+    groups = {f"{cfg.run.run_id}.{role}" for role in
+              ("sampler", "segmenter", "arbiter", "learner", "evaluator", "keeper")}
+    assert groups <= set(lags), lags
+    assert summary["final_lag_bound_env_steps"] == cfg.learner.batch_steps
+    assert summary["final_lag_within_bound"] is True, lags
+    # the run drains before it ends: the arbiter holds nothing, so it is fully caught up;
+    # the segmenter holds at most its open segments, the learner less than one batch
+    assert lags[f"{cfg.run.run_id}.arbiter"]["lag"] == 0, lags
+    segmenter = lags[f"{cfg.run.run_id}.segmenter"]
+    assert segmenter["env_steps"] <= cfg.sampler.num_envs * cfg.segmenter.max_segment_steps
+    assert lags[f"{cfg.run.run_id}.learner"]["env_steps"] < cfg.learner.batch_steps
+    assert set(summary["max_unconsumed"]) >= {"segmenter", "arbiter", "learner"}

@@ -5,6 +5,9 @@ exactly as they would run one process per role (``gyre actor ROLE``). The progre
 is a subscriber like any monitor: it reads the bus, nothing else. The run ends when the
 learner's final version has been evaluated (``learner.max_versions``), when validation
 reaches ``loop.target_success``, or at ``loop.max_wall_s`` / ``loop.max_env_steps``.
+It ends by draining: the sampler stops first, then each downstream role handles what is
+already on the bus, so nothing is left in flight; ``summary.json`` records how far behind
+each consumer group still is (``final_lag``: state held on purpose, such as open segments).
 At the end the run directory holds the event log, segment store, checkpoints,
 ``metrics.jsonl``, ``learning_curve.png`` and ``summary.json``.
 """

@@ -150,11 +150,12 @@ async def _final_evaluation(cfg: Config, bus, progress: Progress) -> None:
 
 
 async def _drain(runners: list[ActorRunner], tasks: list[asyncio.Task],
-                 timeout_s: float = DRAIN_TIMEOUT_S) -> None:
+                 interrupted: asyncio.Event, timeout_s: float = DRAIN_TIMEOUT_S) -> None:
     """Stop the source, then wait for each downstream role to catch up with the bus.
 
     Stopping every role at once leaves the last steps, segments and scores unhandled:
-    the end of the run would show them as lag although no role fell behind.
+    the end of the run would show them as lag although no role fell behind. A second
+    SIGINT/SIGTERM (``interrupted``) or ``timeout_s`` cuts the drain short.
     """
     by_role = {r.actor.role: (r, t) for r, t in zip(runners, tasks)}
     if "sampler" in by_role:
@@ -167,8 +168,9 @@ async def _drain(runners: list[ActorRunner], tasks: list[asyncio.Task],
             continue
         runner, task = by_role[role]
         while not task.done() and not await runner.caught_up():
-            if time.monotonic() >= deadline:
-                log.warning("run.drain_timeout", role=role, unconsumed=await runner.unconsumed())
+            if interrupted.is_set() or time.monotonic() >= deadline:
+                log.warning("run.drain_cut_short", role=role, interrupted=interrupted.is_set(),
+                            unconsumed=await runner.unconsumed())
                 return
             await asyncio.sleep(0.05)
 
@@ -186,6 +188,7 @@ async def run_loop(cfg: Config, *, bus_override: str | None = None, progress: bo
         runners = [ActorRunner(build_actor(role, cfg), bus, run_id=cfg.run.run_id, name=role,
                                partitions=cfg.bus.partitions) for role in roles]
         stop = asyncio.Event()
+        drain_s = 0.0
         install_stop_signals(stop.set)
         tasks = [asyncio.create_task(r.run(), name=r.name) for r in runners]
         watcher = asyncio.create_task(_watch(bus, shown, stop, cfg))
@@ -196,7 +199,11 @@ async def run_loop(cfg: Config, *, bus_override: str | None = None, progress: bo
             for task in done:
                 if task is not stopper and task.exception() is not None:
                     raise task.exception()  # an actor crashed: surface it, loudly
-            await _drain(runners, tasks)
+            drain_started = time.monotonic()
+            interrupted = asyncio.Event()
+            install_stop_signals(interrupted.set)
+            await _drain(runners, tasks, interrupted)
+            drain_s = time.monotonic() - drain_started
             for task in tasks:
                 if task.done() and not task.cancelled() and task.exception() is not None:
                     raise task.exception()
@@ -219,6 +226,7 @@ async def run_loop(cfg: Config, *, bus_override: str | None = None, progress: bo
     summary = summarize(runlog, wall)
     summary["run_dir"] = os.path.abspath(run_dir)
     summary["mode"] = cfg.run.mode
+    summary["drain_seconds"] = round(drain_s, 2)
     summary["final_lag"] = lags
     summary["final_lag_bound_env_steps"] = cfg.learner.batch_steps
     summary["final_lag_within_bound"] = within_bound(lags, cfg.learner.batch_steps)

@@ -9,6 +9,7 @@ from test_role_cores import step
 
 from gyre_async.audit.final_lag import final_lag, within_bound
 from gyre_async.bus import open_bus
+from gyre_async.runtime.actor import Actor, ActorRunner
 from gyre_async.runtime.loop import run_loop
 from schemas import encode
 from schemas.topics import POLICY_VERSION, TRAJECTORY_STEP
@@ -49,3 +50,35 @@ def test_tiny_run_ends_with_every_group_within_one_learner_batch(tiny):
     assert segmenter["env_steps"] <= cfg.sampler.num_envs * cfg.segmenter.max_segment_steps
     assert lags[f"{cfg.run.run_id}.learner"]["env_steps"] < cfg.learner.batch_steps
     assert set(summary["max_unconsumed"]) >= {"segmenter", "arbiter", "learner"}
+
+
+class _HoldsEverything(Actor):
+    """Handles every step but keeps it in memory: never lets the runtime commit past it."""
+
+    role = "holder"
+    consumes = (TRAJECTORY_STEP,)
+
+    def commit_floor(self):
+        return {(TRAJECTORY_STEP, 0): 0}
+
+
+def test_caught_up_tells_handled_but_held_input_from_unhandled_input(tmp_path):
+    async def scenario():
+        async with open_bus(f"sqlite:///{tmp_path}/events.db") as bus:
+            await bus.create_topics([TRAJECTORY_STEP], 1)
+            runner = ActorRunner(_HoldsEverything(), bus, run_id="t", partitions=1)
+            await bus.publish(TRAJECTORY_STEP, [(b"a", encode(step("a", i))) for i in range(5)])
+            assert await runner.unconsumed() == 5  # nothing fetched yet: committed offset 0
+            task = asyncio.create_task(runner.run())
+            for _ in range(200):
+                if await runner.caught_up():
+                    break
+                await asyncio.sleep(0.05)
+            held, unconsumed = await bus.lag(runner.group, [TRAJECTORY_STEP]), \
+                await runner.unconsumed()
+            runner.stop()
+            await task
+            return held, unconsumed, runner.processed
+
+    held, unconsumed, processed = asyncio.run(scenario())
+    assert (held, unconsumed, processed) == (5, 0, 5)

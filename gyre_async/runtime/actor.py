@@ -15,7 +15,10 @@ lives here, once, for every role:
   crashes loudly so its supervisor restarts it from the committed offset;
 - **backpressure**: at most ``max_in_flight`` records are fetched per batch, and an actor can
   hold consumption with ``ready()`` (e.g. the learner while it trains);
-- **heartbeats** with lag and counters on ``telemetry``; graceful stop on SIGTERM.
+- **heartbeats** with lag and counters on ``telemetry``; graceful stop on SIGTERM. The lag
+  is the committed one (what ``gyre topics`` shows: it includes input an actor handled but
+  holds on purpose, see ``commit_floor``); ``unconsumed`` in the stats counts only input
+  not handled yet, which is what says whether an actor keeps pace.
 
 Actors that also *produce* on their own (the sampler) override ``produce``: it runs beside
 the consume loop and publishes through :meth:`ActorRunner.emit`.

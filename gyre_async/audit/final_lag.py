@@ -3,8 +3,8 @@
 ``lag`` is what ``gyre topics`` shows: records written but not committed by the group. It
 counts two different things: records the group never handled, and records it handled but
 still holds in memory on purpose (a segmenter's open segments, a learner's partial batch:
-the runtime never commits past them, so a crash gets them again). ``env_steps`` weighs
-the uncommitted records by the environment steps they carry (a step is one, a segment or
+the runtime never commits past them, so a crash gets them again). ``steps`` weighs
+the uncommitted records by the trajectory steps they carry (a step is one, a segment or
 a score its length), the unit of ``learner.batch_steps``: the bound a run is held to is
 that no group is more than one learner batch behind.
 """
@@ -20,8 +20,9 @@ from gyre_async.bus.base import Bus
 from gyre_async.bus.reading import READ_BACK_MAX_BYTES, end_offsets
 
 
-def env_steps_of(event: Event) -> int:
-    """Environment steps an event carries: one per step, a segment's (or score's) length."""
+def steps_of(event: Event) -> int:
+    """Trajectory steps an event carries (the unit of ``learner.batch_steps``): one per
+    step, a segment's (or score's) length."""
     if isinstance(event, TrajectoryStep):
         return 1
     start, end = getattr(event, "step_start", None), getattr(event, "step_end", None)
@@ -52,7 +53,7 @@ async def _uncommitted_steps(bus: Bus, topic: str, committed: Mapping[int, int],
                 if record.offset + 1 >= end:
                     del remaining[record.partition]
                 try:
-                    steps += env_steps_of(decode(topic, record.value, READ_BACK_MAX_BYTES))
+                    steps += steps_of(decode(topic, record.value, READ_BACK_MAX_BYTES))
                 except DecodeError:
                     continue  # dead-lettered by the group anyway: no steps to weigh
     finally:
@@ -61,7 +62,7 @@ async def _uncommitted_steps(bus: Bus, topic: str, committed: Mapping[int, int],
 
 
 async def final_lag(bus: Bus, consumes: Mapping[str, Sequence[str]]) -> dict[str, dict]:
-    """``{group: {"lag": records, "env_steps": steps, "topics": {topic: records}}}`` for
+    """``{group: {"lag": records, "steps": steps, "topics": {topic: records}}}`` for
     each group and the topics it consumes (``consumes``: group -> topics)."""
     out: dict[str, dict] = {}
     for group, topics in consumes.items():
@@ -74,14 +75,14 @@ async def final_lag(bus: Bus, consumes: Mapping[str, Sequence[str]]) -> dict[str
             per_topic[topic] = sum(max(end - committed.get(p, 0), 0)
                                    for p, end in topic_ends.items())
             steps += await _uncommitted_steps(bus, topic, committed, topic_ends)
-        out[group] = {"lag": sum(per_topic.values()), "env_steps": steps, "topics": per_topic}
+        out[group] = {"lag": sum(per_topic.values()), "steps": steps, "topics": per_topic}
     return out
 
 
 def within_bound(lags: Mapping[str, Mapping], batch_steps: int) -> bool:
-    """No group holds more than one learner batch (``batch_steps`` env steps) uncommitted.
+    """No group holds more than one learner batch (``batch_steps`` steps) uncommitted.
 
     Groups that consume only topics without steps (policy versions, evaluations) weigh
     nothing here; their record lag is reported beside it.
     """
-    return all(entry["env_steps"] <= batch_steps for entry in lags.values())
+    return all(entry["steps"] <= batch_steps for entry in lags.values())

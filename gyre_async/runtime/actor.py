@@ -94,6 +94,10 @@ class Actor:
         """
         return {}
 
+    def inputs_ended(self) -> None:
+        """A draining run says no more input will come (its sources stopped and everything
+        upstream is handled): let go of state kept only for input that will never arrive."""
+
     def settled(self) -> bool:
         """False while consumed input still waits in memory for work that will happen on
         its own (e.g. closed segments waiting for their batched write); a draining run

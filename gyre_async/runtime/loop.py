@@ -41,8 +41,9 @@ from gyre_async.ui.tensorboard import write_tensorboard
 log = structlog.get_logger(__name__)
 
 #: Once the sampler stops, these roles handle what is already on the bus, in data-flow
-#: order, so the run ends with nothing in flight (only state held on purpose: open
-#: segments, a partial batch). The evaluator and keeper are not waited for: the final
+#: order, then let go of what waits for input that will not come (the segmenter cuts its
+#: open segments), so the run ends with nothing in flight and nothing held but the
+#: learner's partial batch. The evaluator and keeper are not waited for: the final
 #: evaluation covers the latest version.
 DRAINED_ROLES = ("segmenter", "arbiter", "learner")
 DRAIN_TIMEOUT_S = 60.0
@@ -163,16 +164,25 @@ async def _drain(runners: list[ActorRunner], tasks: list[asyncio.Task],
         sampler.stop()
         await asyncio.gather(task, return_exceptions=True)  # a crash is raised by the caller
     deadline = time.monotonic() + timeout_s
-    for role in DRAINED_ROLES:
-        if role not in by_role:
-            continue
-        runner, task = by_role[role]
+
+    async def caught_up(role: str, runner: ActorRunner, task: asyncio.Task) -> bool:
         while not task.done() and not await runner.caught_up():
             if interrupted.is_set() or time.monotonic() >= deadline:
                 log.warning("run.drain_cut_short", role=role, interrupted=interrupted.is_set(),
                             unconsumed=await runner.unconsumed())
-                return
+                return False
             await asyncio.sleep(0.05)
+        return True
+
+    for role in DRAINED_ROLES:
+        if role not in by_role:
+            continue
+        runner, task = by_role[role]
+        if not await caught_up(role, runner, task):
+            return
+        runner.actor.inputs_ended()  # e.g. the segmenter cuts its open segments
+        if not await caught_up(role, runner, task):
+            return
 
 
 async def run_loop(cfg: Config, *, bus_override: str | None = None, progress: bool = True,
@@ -228,7 +238,7 @@ async def run_loop(cfg: Config, *, bus_override: str | None = None, progress: bo
     summary["mode"] = cfg.run.mode
     summary["drain_seconds"] = round(drain_s, 2)
     summary["final_lag"] = lags
-    summary["final_lag_bound_env_steps"] = cfg.learner.batch_steps
+    summary["final_lag_bound_steps"] = cfg.learner.batch_steps
     summary["final_lag_within_bound"] = within_bound(lags, cfg.learner.batch_steps)
     with open(os.path.join(run_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)

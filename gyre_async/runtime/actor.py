@@ -94,6 +94,10 @@ class Actor:
         """
         return {}
 
+    def run_ending(self) -> None:
+        """A draining run decided to stop (its sources stopped): start no new work that
+        only a continuing run would use (e.g. the learner trains no further update)."""
+
     def inputs_ended(self) -> None:
         """A draining run says no more input will come (its sources stopped and everything
         upstream is handled): let go of state kept only for input that will never arrive."""
@@ -158,7 +162,7 @@ class ActorRunner:
         self._held: dict[tuple[str, int], int] = {}  # next offsets held back by the floor
         #: next offset to consume per partition (fetched *and* handled, outputs published)
         self.position: dict[tuple[str, int], int] = {}
-        self._batch_open = False
+        self._busy = False  # a fetched batch (or an idle pass) whose outputs are not out yet
         self.log = log.bind(run_id=run_id, actor=self.name)
         actor.runner = self
 
@@ -199,7 +203,7 @@ class ActorRunner:
 
     async def caught_up(self) -> bool:
         """Everything published to its topics so far is handled and its outputs are out."""
-        return (not self._batch_open and self.actor.settled()
+        return (not self._busy and self.actor.settled()
                 and await self.unconsumed() == 0)
 
     async def sleep(self, seconds: float) -> bool:
@@ -262,23 +266,28 @@ class ActorRunner:
         while not self.stopping.is_set():
             await self.actor.ready()
             records = await self._consumer.fetch(self.max_in_flight, self.fetch_timeout_s)
-            self._batch_open = bool(records)
-            if not records:
-                outputs = list(await self.actor.after_batch())
-                if outputs or self._held:
-                    # commit what the actor no longer needs now that its state moved on
-                    await self._publish_with_retry(outputs, self._apply_floor(dict(self._held)))
-                continue
-            outputs: list[Emit] = []
-            next_offsets: dict[tuple[str, int], int] = {}
-            for record in records:
-                outputs.extend(await self._process(record))
-                next_offsets[(record.topic, record.partition)] = record.offset + 1
-            outputs.extend(await self.actor.after_batch())
-            self._held.update(next_offsets)
-            await self._publish_with_retry(outputs, self._apply_floor(next_offsets))
-            self.position.update(next_offsets)
-            self._batch_open = False
+            self._busy = True  # until this pass's outputs are out (caught_up reads it)
+            try:
+                await self._handle_batch(records)
+            finally:
+                self._busy = False
+
+    async def _handle_batch(self, records: list[Record]) -> None:
+        if not records:
+            outputs = list(await self.actor.after_batch())
+            if outputs or self._held:
+                # commit what the actor no longer needs now that its state moved on
+                await self._publish_with_retry(outputs, self._apply_floor(dict(self._held)))
+            return
+        outputs: list[Emit] = []
+        next_offsets: dict[tuple[str, int], int] = {}
+        for record in records:
+            outputs.extend(await self._process(record))
+            next_offsets[(record.topic, record.partition)] = record.offset + 1
+        outputs.extend(await self.actor.after_batch())
+        self._held.update(next_offsets)
+        await self._publish_with_retry(outputs, self._apply_floor(next_offsets))
+        self.position.update(next_offsets)
 
     def _apply_floor(self, offsets: dict[tuple[str, int], int]) -> dict[tuple[str, int], int]:
         """Never commit past what the actor's in-memory state still needs (commit_floor).

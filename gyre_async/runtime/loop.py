@@ -40,11 +40,12 @@ from gyre_async.ui.tensorboard import write_tensorboard
 
 log = structlog.get_logger(__name__)
 
-#: Once the sampler stops, these roles handle what is already on the bus, in data-flow
-#: order, then let go of what waits for input that will not come (the segmenter cuts its
-#: open segments), so the run ends with nothing in flight and nothing held but the
-#: learner's partial batch. The evaluator and keeper are not waited for: the final
-#: evaluation covers the latest version.
+#: Once the sampler stops, these roles are told the run ends (the learner trains nothing
+#: more: the stop condition, not the drain, decides the final policy), handle what is
+#: already on the bus, in data-flow order, then let go of what waits for input that will
+#: not come (the segmenter cuts its open segments, the learner refuses its partial batch
+#: as ``budget-spent``), so the run ends with nothing in flight and nothing held. The
+#: evaluator and keeper are not waited for: the final evaluation covers the latest version.
 DRAINED_ROLES = ("segmenter", "arbiter", "learner")
 DRAIN_TIMEOUT_S = 60.0
 
@@ -163,6 +164,9 @@ async def _drain(runners: list[ActorRunner], tasks: list[asyncio.Task],
         sampler, task = by_role["sampler"]
         sampler.stop()
         await asyncio.gather(task, return_exceptions=True)  # a crash is raised by the caller
+    for runner in runners:
+        if runner.actor.role in DRAINED_ROLES:
+            runner.actor.run_ending()  # e.g. the learner trains nothing more
     deadline = time.monotonic() + timeout_s
 
     async def caught_up(role: str, runner: ActorRunner, task: asyncio.Task) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import pytest
 from test_role_cores import step
 
 from gyre_async.audit.final_lag import final_lag, within_bound
@@ -32,8 +33,11 @@ def test_final_lag_counts_uncommitted_records_and_their_steps(tmp_path):
     assert within_bound(lags, batch_steps=10) and not within_bound(lags, batch_steps=9)
 
 
-def test_tiny_run_ends_with_every_group_within_one_learner_batch(tiny):
-    cfg = tiny.config()
+@pytest.mark.parametrize("stop", ["final-version", "wall-clock"])
+def test_tiny_run_ends_with_every_group_within_one_learner_batch(tiny, stop):
+    # stopped by the learner's last version, or mid-training by the wall clock
+    cfg = tiny.config() if stop == "final-version" else \
+        tiny.config(loop={"max_wall_s": 25.0}, learner={"max_versions": 0})
     summary = asyncio.run(run_loop(cfg, progress=False))
     on_disk = json.loads((tiny.tmp_path / "run" / "summary.json").read_text())
     assert on_disk["final_lag"] == summary["final_lag"]

@@ -159,6 +159,7 @@ class RunFold:
         self.staleness_hist: collections.Counter[int] = collections.Counter()
         self._dropped: TimeOrdered[SegmentDropped] = TimeOrdered(_ts)
         self.dropped_hist: collections.Counter[int] = collections.Counter()
+        self.dropped_reasons: collections.Counter[str] = collections.Counter()
         # rewards
         self._scored: TimeOrdered[Scored] = TimeOrdered(_ts)
         self.total_reward = 0.0
@@ -251,6 +252,7 @@ class RunFold:
             case SegmentDropped():
                 self.counts.dropped += 1
                 self.dropped_hist[event.staleness] += 1
+                self.dropped_reasons[event.reason.split(":")[0]] += 1
                 self._segment_min_version.pop(event.segment_id, None)
                 self._keep(self._dropped, event)
             case DeadLetter():

@@ -63,6 +63,7 @@ class Learner(Actor):
         self.checkpoints = CheckpointStore(cfg.learner.checkpoints
                                            or f"{cfg.run.run_dir}/checkpoints")
         self.train_seconds = 0.0
+        self.ending = False  # the run is ending (gyre run's drain): no further update
 
     @classmethod
     def from_config(cls, cfg: Config) -> Learner:
@@ -106,8 +107,18 @@ class Learner(Actor):
                 return [*map(self._dropped, dropped_all), await self._publish("rollback", stats)]
         return []
 
+    def run_ending(self) -> None:
+        self.ending = True
+
+    async def after_batch(self):
+        """While the run ends, what was buffered is refused as ``budget-spent`` (as after
+        ``learner.max_versions``): counted and committed, not held for an update that will
+        not come."""
+        return [self._dropped(d) for d in self.core.drop_buffer("budget-spent")] \
+            if self.ending else []
+
     async def _train_if_ready(self) -> list[Emit]:
-        if not self.core.batch_ready():
+        if self.ending or not self.core.batch_ready():
             return []
         started = time.monotonic()
         addresses = self.core.buffered_addresses()

@@ -83,6 +83,14 @@ class Segmenter(Actor):
     def commit_floor(self):
         return self.pending.hold(self.core.commit_floor())
 
+    def inputs_ended(self) -> None:
+        """The run ends: open segments are cut where they stand and written like any."""
+        self.pending.extend(self.core.cut_all())
+
+    def settled(self) -> bool:
+        """Closed segments waiting for their batched write go out within ``write_delay_s``."""
+        return not self.pending.segments
+
     def stats(self):
         r = self.retention.stats
         return {"segments": float(self.segments), "open_segments": float(len(self.core.open)),

@@ -74,3 +74,16 @@ def test_which_versions_the_evaluator_validates_and_why(tiny):
     assert eval_trigger(cfg, version(1, "warmstart")) == "reason:warmstart"
     every = tiny.config(evaluator={"every_versions": 0})  # 0 is read as 1: every version
     assert eval_trigger(every, version(3)) == "schedule"
+
+
+def test_cut_all_closes_open_segments_as_length_cuts_and_frees_the_floor():
+    core = SegmenterCore(SegmenterConfig(max_segment_steps=8))
+    for i in range(3):
+        core.add(step("a", i), (0, 10 + i))
+    core.add(step("b", 0), (1, 4))
+    cut = core.cut_all()
+    assert [(c.trajectory_id, c.boundary, c.terminal, len(c.steps)) for c in cut] == [
+        ("a", "max-length", False, 3), ("b", "max-length", False, 1)]
+    assert core.commit_floor() == {} and core.open == {}
+    assert core.add(step("a", 3), (0, 13)) == []  # a later step opens a new segment at 3
+    assert core.open["a"].steps[0].step_index == 3

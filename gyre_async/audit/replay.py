@@ -102,20 +102,27 @@ async def replay(recorded: Bus, role: str, cfg: Config, *, name: str | None = No
             task = asyncio.create_task(runner.run())
             loop = asyncio.get_running_loop()
             deadline = loop.time() + timeout_s
-            # Done when everything is committed, or when nothing moves any more (a
-            # stateful actor keeps uncommitted the inputs of still-open state, e.g. the
-            # segments of trajectories the recorded run left unfinished).
-            last, still = None, 0
-            while loop.time() < deadline and not task.done():
-                await asyncio.sleep(settle_s)
-                lag = await scratch.lag(runner.group, actor.consumes)
-                progress = (lag, runner.processed,
-                            sum(sum(t.end_offsets.values()) for t in await scratch.topics()))
-                still = still + 1 if progress == last else 0
-                last = progress
-                if lag == 0 or still >= 4:
+
+            async def settle() -> None:
+                # Done when everything is committed, or when nothing moves any more (a
+                # stateful actor keeps uncommitted the inputs of still-open state, e.g.
+                # the segments of trajectories the recorded run left unfinished).
+                last, still = None, 0
+                while loop.time() < deadline and not task.done():
                     await asyncio.sleep(settle_s)
-                    break
+                    lag = await scratch.lag(runner.group, actor.consumes)
+                    progress = (lag, runner.processed, sum(
+                        sum(t.end_offsets.values()) for t in await scratch.topics()))
+                    still = still + 1 if progress == last else 0
+                    last = progress
+                    if lag == 0 or still >= 4:
+                        await asyncio.sleep(settle_s)
+                        return
+
+            await settle()
+            if recorded_lag == 0:  # a drained run told the actor its input ended (gyre run)
+                actor.inputs_ended()
+                await settle()
             runner.stop()
             await task
             replayed = await _outputs_by_id(scratch, emitted, name)

@@ -94,6 +94,9 @@ class ActorSeen:
     last_ts: float = 0.0
     processed: int = 0
     lag: int = 0
+    #: the most inputs it had not handled yet at any heartbeat (``lag`` also counts what it
+    #: handled but holds on purpose): whether the actor kept pace over the run
+    max_unconsumed: int = 0
     history: collections.deque = field(default_factory=lambda: collections.deque(maxlen=6))
 
     def rate(self) -> float | None:
@@ -155,6 +158,7 @@ class RunFold:
         self.staleness_hist: collections.Counter[int] = collections.Counter()
         self._dropped: TimeOrdered[SegmentDropped] = TimeOrdered(_ts)
         self.dropped_hist: collections.Counter[int] = collections.Counter()
+        self.dropped_reasons: collections.Counter[str] = collections.Counter()
         # rewards
         self._scored: TimeOrdered[Scored] = TimeOrdered(_ts)
         self.total_reward = 0.0
@@ -247,6 +251,7 @@ class RunFold:
             case SegmentDropped():
                 self.counts.dropped += 1
                 self.dropped_hist[event.staleness] += 1
+                self.dropped_reasons[event.reason.split(":")[0]] += 1
                 self._segment_min_version.pop(event.segment_id, None)
                 self._keep(self._dropped, event)
             case DeadLetter():
@@ -346,6 +351,7 @@ class RunFold:
             seen.history.clear()  # the actor restarted: its counter began again
         seen.role, seen.last_ts, seen.processed, seen.lag = e.role, e.ts, e.processed, e.lag
         seen.history.append((e.ts, e.processed))
+        seen.max_unconsumed = max(seen.max_unconsumed, int(e.stats.get("unconsumed", 0)))
 
 
 def _ts(event: Event) -> float:

@@ -126,8 +126,11 @@ def summarize(log: RunFold, wall_seconds: float) -> dict:
                                if log.counts.episodes else None),
         "segments": log.counts.segments,
         "dropped_stale_segments": log.counts.dropped,
+        # why (``budget-spent``: in flight when the run ended, refused instead of trained)
+        "dropped_by_reason": dict(sorted(log.dropped_reasons.items())),
         "max_staleness_trained": log.max_staleness_seen,
         "evals": [{"version": e.policy_version, "success": e.success_rate,
                    "score": e.mean_score} for e in log.evals],
         "undecodable_records": log.read.skipped,
+        "max_unconsumed": {name: seen.max_unconsumed for name, seen in sorted(log.actors.items())},
     }

@@ -161,6 +161,14 @@ class SegmenterCore:
             return []
         return [self._close(tid, "trajectory-end", terminal=False)]
 
+    def cut_all(self) -> list[ClosedSegment]:
+        """Close every open segment where it stands, as a length cut (``max-length``: not
+        an end, so the learner bootstraps its value), for the end of a run: no more steps
+        will come this run, and nothing should stay only in memory. A later sampler ends
+        those trajectories with an ``env-error`` (nothing left open to close then)."""
+        return [self._close(tid, "max-length", terminal=False)
+                for tid in [tid for tid, seg in self.open.items() if seg.steps]]
+
     def _close(self, tid: str, boundary: BoundaryReason, terminal: bool) -> ClosedSegment:
         seg = self.open.pop(tid)
         self.next_step[tid] = seg.steps[-1].step_index + 1

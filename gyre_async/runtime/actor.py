@@ -15,7 +15,10 @@ lives here, once, for every role:
   crashes loudly so its supervisor restarts it from the committed offset;
 - **backpressure**: at most ``max_in_flight`` records are fetched per batch, and an actor can
   hold consumption with ``ready()`` (e.g. the learner while it trains);
-- **heartbeats** with lag and counters on ``telemetry``; graceful stop on SIGTERM.
+- **heartbeats** with lag and counters on ``telemetry``; graceful stop on SIGTERM. The lag
+  is the committed one (what ``gyre topics`` shows: it includes input an actor handled but
+  holds on purpose, see ``commit_floor``); ``unconsumed`` in the stats counts only input
+  not handled yet, which is what says whether an actor keeps pace.
 
 Actors that also *produce* on their own (the sampler) override ``produce``: it runs beside
 the consume loop and publishes through :meth:`ActorRunner.emit`.
@@ -94,6 +97,20 @@ class Actor:
         """
         return {}
 
+    def run_ending(self) -> None:
+        """A draining run decided to stop (its sources stopped): start no new work that
+        only a continuing run would use (e.g. the learner trains no further update)."""
+
+    def inputs_ended(self) -> None:
+        """A draining run says no more input will come (its sources stopped and everything
+        upstream is handled): let go of state kept only for input that will never arrive."""
+
+    def settled(self) -> bool:
+        """False while consumed input still waits in memory for work that will happen on
+        its own (e.g. closed segments waiting for their batched write); a draining run
+        waits for it. State held on purpose (open segments, a partial batch) is settled."""
+        return True
+
     def stats(self) -> dict[str, float]:
         """Counters for the heartbeat."""
         return {}
@@ -146,6 +163,9 @@ class ActorRunner:
         self._hb_seq = 0
         self._consumer = None
         self._held: dict[tuple[str, int], int] = {}  # next offsets held back by the floor
+        #: next offset to consume per partition (fetched *and* handled, outputs published)
+        self.position: dict[tuple[str, int], int] = {}
+        self._busy = False  # a fetched batch (or an idle pass) whose outputs are not out yet
         self.log = log.bind(run_id=run_id, actor=self.name)
         actor.runner = self
 
@@ -158,6 +178,36 @@ class ActorRunner:
         errors are retried like the consume loop's (see ``_publish_with_retry``)."""
         batches = self._batches(outputs)
         await self._retry_bus(lambda: self.bus.publish_and_commit(batches))
+
+    async def unconsumed(self) -> int:
+        """Records of the consumed topics this actor has not handled yet (end offset minus
+        position; the committed offset where it has not fetched a partition yet).
+
+        Unlike the committed lag it leaves out what the actor has handled but holds on
+        purpose (``commit_floor``): the measure of whether it keeps pace.
+        """
+        if not self.actor.consumes:
+            return 0
+        infos = {t.name: t for t in await self.bus.topics()}
+        # partitions another member of the group owns are not this actor's to catch up on
+        owned = self._consumer.assignment() if self._consumer is not None else None
+        total = 0
+        for topic in self.actor.consumes:
+            info = infos.get(topic)
+            if info is None:
+                continue
+            committed = await self.bus.committed(self.group, topic)
+            for partition, end in info.end_offsets.items():
+                if owned and (topic, partition) not in owned:
+                    continue
+                done = self.position.get((topic, partition), committed.get(partition, 0))
+                total += max(end - done, 0)
+        return total
+
+    async def caught_up(self) -> bool:
+        """Everything published to its topics so far is handled and its outputs are out."""
+        return (not self._busy and self.actor.settled()
+                and await self.unconsumed() == 0)
 
     async def sleep(self, seconds: float) -> bool:
         """Stop-aware sleep: returns True if the actor is stopping."""
@@ -219,20 +269,28 @@ class ActorRunner:
         while not self.stopping.is_set():
             await self.actor.ready()
             records = await self._consumer.fetch(self.max_in_flight, self.fetch_timeout_s)
-            if not records:
-                outputs = list(await self.actor.after_batch())
-                if outputs or self._held:
-                    # commit what the actor no longer needs now that its state moved on
-                    await self._publish_with_retry(outputs, self._apply_floor(dict(self._held)))
-                continue
-            outputs: list[Emit] = []
-            next_offsets: dict[tuple[str, int], int] = {}
-            for record in records:
-                outputs.extend(await self._process(record))
-                next_offsets[(record.topic, record.partition)] = record.offset + 1
-            outputs.extend(await self.actor.after_batch())
-            self._held.update(next_offsets)
-            await self._publish_with_retry(outputs, self._apply_floor(next_offsets))
+            self._busy = True  # until this pass's outputs are out (caught_up reads it)
+            try:
+                await self._handle_batch(records)
+            finally:
+                self._busy = False
+
+    async def _handle_batch(self, records: list[Record]) -> None:
+        if not records:
+            outputs = list(await self.actor.after_batch())
+            if outputs or self._held:
+                # commit what the actor no longer needs now that its state moved on
+                await self._publish_with_retry(outputs, self._apply_floor(dict(self._held)))
+            return
+        outputs: list[Emit] = []
+        next_offsets: dict[tuple[str, int], int] = {}
+        for record in records:
+            outputs.extend(await self._process(record))
+            next_offsets[(record.topic, record.partition)] = record.offset + 1
+        outputs.extend(await self.actor.after_batch())
+        self._held.update(next_offsets)
+        await self._publish_with_retry(outputs, self._apply_floor(next_offsets))
+        self.position.update(next_offsets)
 
     def _apply_floor(self, offsets: dict[tuple[str, int], int]) -> dict[tuple[str, int], int]:
         """Never commit past what the actor's in-memory state still needs (commit_floor).
@@ -335,15 +393,17 @@ class ActorRunner:
             await self._send_heartbeat()
 
     async def _send_heartbeat(self) -> None:
-        lag = 0
+        lag = unconsumed = 0
         if self.actor.consumes:
             try:
                 lag = await self.bus.lag(self.group, self.actor.consumes)
+                unconsumed = await self.unconsumed()
             except Exception as exc:  # noqa: BLE001 - a heartbeat must not kill the actor
                 self.log.warning("heartbeat.lag_failed", error=str(exc))
-                lag = -1
+                lag = unconsumed = -1
         self._hb_seq += 1
-        stats = {"dead_letters": float(self.dead_letters), "duplicates": float(self.duplicates)}
+        stats = {"dead_letters": float(self.dead_letters), "duplicates": float(self.duplicates),
+                 "unconsumed": float(unconsumed)}
         stats.update(self.actor.stats())
         hb = Heartbeat(
             event_id=event_id("heartbeat", self.run_id, self.name, id(self), self._hb_seq),

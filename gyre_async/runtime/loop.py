@@ -5,6 +5,9 @@ exactly as they would run one process per role (``gyre actor ROLE``). The progre
 is a subscriber like any monitor: it reads the bus, nothing else. The run ends when the
 learner's final version has been evaluated (``learner.max_versions``), when validation
 reaches ``loop.target_success``, or at ``loop.max_wall_s`` / ``loop.max_env_steps``.
+It ends by draining: the sampler stops first, then each downstream role handles what is
+already on the bus, so nothing is left in flight; ``summary.json`` records how far behind
+each consumer group still is (``final_lag``: state held on purpose, such as open segments).
 At the end the run directory holds the event log, segment store, checkpoints,
 ``metrics.jsonl``, ``learning_curve.png`` and ``summary.json``.
 """
@@ -19,6 +22,7 @@ import time
 import msgspec
 import structlog
 
+from gyre_async.audit.final_lag import final_lag, within_bound
 from gyre_async.audit.run_fold import RunFold
 from gyre_async.audit.runlog import (
     current_policy_version,
@@ -40,6 +44,15 @@ from schemas.events import EvalResult
 from schemas.topics import ALL_TOPICS, EVAL, POLICY_VERSION, SEGMENT_CLOSED, TELEMETRY
 
 log = structlog.get_logger(__name__)
+
+#: Once the sampler stops, these roles are told the run ends (the learner trains nothing
+#: more: the stop condition, not the drain, decides the final policy), handle what is
+#: already on the bus, in data-flow order, then let go of what waits for input that will
+#: not come (the segmenter cuts its open segments, the learner refuses its partial batch
+#: as ``budget-spent``), so the run ends with nothing in flight and nothing held. The
+#: evaluator and keeper are not waited for: the final evaluation covers the latest version.
+DRAINED_ROLES = ("segmenter", "arbiter", "learner")
+DRAIN_TIMEOUT_S = 60.0
 
 
 class Progress:
@@ -143,6 +156,44 @@ async def _final_evaluation(cfg: Config, bus, progress: Progress) -> None:
     await bus.publish_and_commit([(EVAL, [(result.key.encode(), encode(result))])])
 
 
+async def _drain(runners: list[ActorRunner], tasks: list[asyncio.Task],
+                 interrupted: asyncio.Event, timeout_s: float = DRAIN_TIMEOUT_S) -> None:
+    """Stop the source, then wait for each downstream role to catch up with the bus.
+
+    Stopping every role at once leaves the last steps, segments and scores unhandled:
+    the end of the run would show them as lag although no role fell behind. A second
+    SIGINT/SIGTERM (``interrupted``) or ``timeout_s`` cuts the drain short.
+    """
+    by_role = {r.actor.role: (r, t) for r, t in zip(runners, tasks)}
+    if "sampler" in by_role:
+        sampler, task = by_role["sampler"]
+        sampler.stop()
+        await asyncio.gather(task, return_exceptions=True)  # a crash is raised by the caller
+    for runner in runners:
+        if runner.actor.role in DRAINED_ROLES:
+            runner.actor.run_ending()  # e.g. the learner trains nothing more
+    deadline = time.monotonic() + timeout_s
+
+    async def caught_up(role: str, runner: ActorRunner, task: asyncio.Task) -> bool:
+        while not task.done() and not await runner.caught_up():
+            if interrupted.is_set() or time.monotonic() >= deadline:
+                log.warning("run.drain_cut_short", role=role, interrupted=interrupted.is_set(),
+                            unconsumed=await runner.unconsumed())
+                return False
+            await asyncio.sleep(0.05)
+        return True
+
+    for role in DRAINED_ROLES:
+        if role not in by_role:
+            continue
+        runner, task = by_role[role]
+        if not await caught_up(role, runner, task):
+            return
+        runner.actor.inputs_ended()  # e.g. the segmenter cuts its open segments
+        if not await caught_up(role, runner, task):
+            return
+
+
 async def run_loop(cfg: Config, *, bus_override: str | None = None, progress: bool = True,
                    roles: tuple[str, ...] = RUN_ROLES) -> dict:
     run_dir = cfg.run.run_dir
@@ -156,6 +207,7 @@ async def run_loop(cfg: Config, *, bus_override: str | None = None, progress: bo
         runners = [ActorRunner(build_actor(role, cfg), bus, run_id=cfg.run.run_id, name=role,
                                partitions=cfg.bus.partitions) for role in roles]
         stop = asyncio.Event()
+        drain_s = 0.0
         install_stop_signals(stop.set)
         tasks = [asyncio.create_task(r.run(), name=r.name) for r in runners]
         watcher = asyncio.create_task(_watch(bus, shown, stop, cfg))
@@ -166,6 +218,14 @@ async def run_loop(cfg: Config, *, bus_override: str | None = None, progress: bo
             for task in done:
                 if task is not stopper and task.exception() is not None:
                     raise task.exception()  # an actor crashed: surface it, loudly
+            drain_started = time.monotonic()
+            interrupted = asyncio.Event()
+            install_stop_signals(interrupted.set)
+            await _drain(runners, tasks, interrupted)
+            drain_s = time.monotonic() - drain_started
+            for task in tasks:
+                if task.done() and not task.cancelled() and task.exception() is not None:
+                    raise task.exception()
         finally:
             stop.set()
             for r in runners:
@@ -174,6 +234,8 @@ async def run_loop(cfg: Config, *, bus_override: str | None = None, progress: bo
             await asyncio.gather(watcher, return_exceptions=True)
             shown.stop()
         await _final_evaluation(cfg, bus, shown)
+        lags = await final_lag(bus, {r.group: r.actor.consumes for r in runners
+                                     if r.actor.consumes})
         runlog = await load_runlog(bus)
     wall = time.monotonic() - started
     write_metrics(runlog, os.path.join(run_dir, "metrics.jsonl"))
@@ -183,6 +245,10 @@ async def run_loop(cfg: Config, *, bus_override: str | None = None, progress: bo
     summary = summarize(runlog, wall)
     summary["run_dir"] = os.path.abspath(run_dir)
     summary["mode"] = cfg.run.mode
+    summary["drain_seconds"] = round(drain_s, 2)
+    summary["final_lag"] = lags
+    summary["final_lag_bound_steps"] = cfg.learner.batch_steps
+    summary["final_lag_within_bound"] = within_bound(lags, cfg.learner.batch_steps)
     with open(os.path.join(run_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     return summary

@@ -1,0 +1,87 @@
+"""The end of a run, read from the bus: how far behind each consumer group is."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from test_role_cores import step
+
+from gyre_async.audit.final_lag import final_lag, within_bound
+from gyre_async.bus import open_bus
+from gyre_async.runtime.actor import Actor, ActorRunner
+from gyre_async.runtime.loop import run_loop
+from schemas import encode
+from schemas.topics import POLICY_VERSION, TRAJECTORY_STEP
+
+
+def test_final_lag_counts_uncommitted_records_and_their_steps(tmp_path):
+    async def scenario():
+        async with open_bus(f"sqlite:///{tmp_path}/events.db") as bus:
+            await bus.create_topics([TRAJECTORY_STEP, POLICY_VERSION], 1)
+            steps = [step("a", i) for i in range(10)]
+            await bus.publish(TRAJECTORY_STEP, [(b"a", encode(s)) for s in steps])
+            consumer = await bus.consumer("g", [TRAJECTORY_STEP])
+            await consumer.commit({(TRAJECTORY_STEP, 0): 7})
+            await consumer.close()
+            return await final_lag(bus, {"g": [TRAJECTORY_STEP], "idle": [TRAJECTORY_STEP]})
+
+    lags = asyncio.run(scenario())
+    assert lags["g"] == {"lag": 3, "steps": 3, "topics": {TRAJECTORY_STEP: 3}}
+    assert lags["idle"]["lag"] == 10 and lags["idle"]["steps"] == 10  # never committed
+    assert within_bound(lags, batch_steps=10) and not within_bound(lags, batch_steps=9)
+
+
+@pytest.mark.parametrize("stop", ["final-version", "wall-clock"])
+def test_tiny_run_ends_with_every_group_within_one_learner_batch(tiny, stop):
+    # stopped by the learner's last version, or mid-training by the wall clock
+    cfg = tiny.config() if stop == "final-version" else \
+        tiny.config(loop={"max_wall_s": 25.0}, learner={"max_versions": 0})
+    summary = asyncio.run(run_loop(cfg, progress=False))
+    on_disk = json.loads((tiny.tmp_path / "run" / "summary.json").read_text())
+    assert on_disk["final_lag"] == summary["final_lag"]
+    lags = summary["final_lag"]
+    groups = {f"{cfg.run.run_id}.{role}" for role in
+              ("sampler", "segmenter", "arbiter", "learner", "evaluator", "keeper")}
+    assert groups <= set(lags), lags
+    assert summary["final_lag_bound_steps"] == cfg.learner.batch_steps
+    assert summary["final_lag_within_bound"] is True, lags
+    # the run drains before it ends: the segmenter cuts its open segments and the learner
+    # refuses its partial batch (budget-spent), so the core loop holds nothing
+    for role in ("segmenter", "arbiter", "learner"):
+        assert lags[f"{cfg.run.run_id}.{role}"]["lag"] == 0, lags
+    assert summary["drain_seconds"] > 0
+    assert set(summary["max_unconsumed"]) >= {"segmenter", "arbiter", "learner"}
+
+
+class _HoldsEverything(Actor):
+    """Handles every step but keeps it in memory: never lets the runtime commit past it."""
+
+    role = "holder"
+    consumes = (TRAJECTORY_STEP,)
+
+    def commit_floor(self):
+        return {(TRAJECTORY_STEP, 0): 0}
+
+
+def test_caught_up_tells_handled_but_held_input_from_unhandled_input(tmp_path):
+    async def scenario():
+        async with open_bus(f"sqlite:///{tmp_path}/events.db") as bus:
+            await bus.create_topics([TRAJECTORY_STEP], 1)
+            runner = ActorRunner(_HoldsEverything(), bus, run_id="t", partitions=1)
+            await bus.publish(TRAJECTORY_STEP, [(b"a", encode(step("a", i))) for i in range(5)])
+            assert await runner.unconsumed() == 5  # nothing fetched yet: committed offset 0
+            task = asyncio.create_task(runner.run())
+            for _ in range(200):
+                if await runner.caught_up():
+                    break
+                await asyncio.sleep(0.05)
+            held, unconsumed = await bus.lag(runner.group, [TRAJECTORY_STEP]), \
+                await runner.unconsumed()
+            runner.stop()
+            await task
+            return held, unconsumed, runner.processed
+
+    held, unconsumed, processed = asyncio.run(scenario())
+    assert (held, unconsumed, processed) == (5, 0, 5)

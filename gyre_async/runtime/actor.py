@@ -36,7 +36,7 @@ from typing import ClassVar
 import structlog
 
 from gyre_async import timing
-from gyre_async.bus import Bus, Record
+from gyre_async.bus import Bus, Consumer, Record
 from gyre_async.errors import is_retriable
 from schemas import DecodeError, Event, decode, encode, event_id
 from schemas.events import DeadLetter, Heartbeat
@@ -161,7 +161,7 @@ class ActorRunner:
         self._seen_cap = 200_000
         self._started = time.monotonic()
         self._hb_seq = 0
-        self._consumer = None
+        self._consumer: Consumer | None = None
         self._held: dict[tuple[str, int], int] = {}  # next offsets held back by the floor
         #: next offset to consume per partition (fetched *and* handled, outputs published)
         self.position: dict[tuple[str, int], int] = {}
@@ -277,10 +277,10 @@ class ActorRunner:
 
     async def _handle_batch(self, records: list[Record]) -> None:
         if not records:
-            outputs = list(await self.actor.after_batch())
-            if outputs or self._held:
+            late = list(await self.actor.after_batch())
+            if late or self._held:
                 # commit what the actor no longer needs now that its state moved on
-                await self._publish_with_retry(outputs, self._apply_floor(dict(self._held)))
+                await self._publish_with_retry(late, self._apply_floor(dict(self._held)))
             return
         outputs: list[Emit] = []
         next_offsets: dict[tuple[str, int], int] = {}
@@ -298,7 +298,8 @@ class ActorRunner:
         Offsets held back are remembered and committed once the state lets go of them.
         """
         floor = self.actor.commit_floor()
-        owned = self._consumer.assignment() if self._consumer is not None else set()
+        owned: set[tuple[str, int]] = (self._consumer.assignment()
+                                       if self._consumer is not None else set())
         for tp in [tp for tp in self._held if tp not in owned]:
             del self._held[tp]  # the partition moved to another member: not ours to commit
         out = {tp: min(o, floor.get(tp, o)) for tp, o in offsets.items() if tp in owned}

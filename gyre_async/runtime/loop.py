@@ -18,6 +18,7 @@ import asyncio
 import json
 import os
 import time
+from typing import TYPE_CHECKING
 
 import msgspec
 import structlog
@@ -43,6 +44,9 @@ from schemas.config import Config
 from schemas.events import EvalResult
 from schemas.topics import ALL_TOPICS, EVAL, POLICY_VERSION, SEGMENT_CLOSED, TELEMETRY
 
+if TYPE_CHECKING:
+    from rich.live import Live
+
 log = structlog.get_logger(__name__)
 
 #: Once the sampler stops, these roles are told the run ends (the learner trains nothing
@@ -63,7 +67,7 @@ class Progress:
         self.enabled = enabled
         self.started = time.monotonic()
         self.run = RunFold(keep_records=False)
-        self._live = None
+        self._live: Live | None = None
 
     @property
     def final_eval_seen(self) -> bool:
@@ -216,16 +220,18 @@ async def run_loop(cfg: Config, *, bus_override: str | None = None, progress: bo
             stopper = asyncio.create_task(stop.wait())
             done, _ = await asyncio.wait([*tasks, stopper], return_when=asyncio.FIRST_COMPLETED)
             for task in done:
-                if task is not stopper and task.exception() is not None:
-                    raise task.exception()  # an actor crashed: surface it, loudly
+                crash = None if task is stopper else task.exception()
+                if crash is not None:
+                    raise crash  # an actor crashed: surface it, loudly
             drain_started = time.monotonic()
             interrupted = asyncio.Event()
             install_stop_signals(interrupted.set)
             await _drain(runners, tasks, interrupted)
             drain_s = time.monotonic() - drain_started
             for task in tasks:
-                if task.done() and not task.cancelled() and task.exception() is not None:
-                    raise task.exception()
+                crash = task.exception() if task.done() and not task.cancelled() else None
+                if crash is not None:
+                    raise crash
         finally:
             stop.set()
             for r in runners:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
 
 import structlog
 
@@ -19,7 +19,7 @@ T = TypeVar("T")
 log = structlog.get_logger(__name__)
 
 
-def run_main(main: Callable[[], Awaitable[T]]) -> T:
+def run_main(main: Callable[[], Coroutine[Any, Any, T]]) -> T:
     """Run a coroutine on uvloop when it is installed (faster I/O), else asyncio."""
     try:
         import uvloop

@@ -161,7 +161,7 @@ def run(world_size: int, args, run_dir: str, batch) -> dict:
     else:
         mp.spawn(rank_main, args=(cfg, batch, args.updates, threads, out),
                  nprocs=world_size, join=True)
-    return torch.load(out)
+    return torch.load(out, weights_only=True)
 
 
 def main() -> None:

@@ -33,7 +33,7 @@ def test_final_lag_counts_uncommitted_records_and_their_steps(tmp_path):
     assert within_bound(lags, batch_steps=10) and not within_bound(lags, batch_steps=9)
 
 
-@pytest.mark.parametrize("stop", ["final-version", "wall-clock"])
+@pytest.mark.parametrize("stop", ["final-version", pytest.param("wall-clock", marks=pytest.mark.slow)])
 def test_tiny_run_ends_with_every_group_within_one_learner_batch(tiny, stop):
     # stopped by the learner's last version, or mid-training by the wall clock
     cfg = tiny.config() if stop == "final-version" else \

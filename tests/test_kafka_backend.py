@@ -46,7 +46,7 @@ def _tansu(tansu):
     return tansu
 
 
-@pytest.fixture(params=["noida", "tansu"])
+@pytest.fixture(params=["noida", pytest.param("tansu", marks=pytest.mark.slow)])
 def broker(request) -> tuple[str, str]:
     """(kind, bootstrap) for each broker."""
     return request.param, request.getfixturevalue(f"_{request.param}")

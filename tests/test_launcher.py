@@ -388,7 +388,9 @@ def test_replicas_expand_into_named_processes_with_replica_flags():
     assert parse_replicas("sampler=4", roles) == {"sampler": 4, "segmenter": 1, "arbiter": 1,
                                                   "learner": 1}
     assert parse_replicas("", roles) == dict.fromkeys(roles, 1)
-    for bad in ("learner=2", "sampler=0", "sampler=x", "echo=2", "segmenter=2"):
+    # a data-parallel learner runs as replicas (ranks); state-holding roles do not
+    assert parse_replicas("learner=2", roles)["learner"] == 2
+    for bad in ("sampler=0", "sampler=x", "echo=2", "segmenter=2", "arbiter=2"):
         with pytest.raises(ValueError):
             parse_replicas(bad, roles)
     args = SimpleNamespace(config="c.toml", bus="kafka://b:9092", run_dir=None, log_level=None)

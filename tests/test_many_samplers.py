@@ -93,7 +93,10 @@ async def run_loop_with_replicas(url: str, cfg, versions: int, timeout_s: float)
     return samplers, published, run, worst, at_share, follows
 
 
-@pytest.mark.parametrize("backend", ["embedded", pytest.param("tansu", marks=pytest.mark.kafka)])
+TANSU = pytest.param("tansu", marks=[pytest.mark.kafka, pytest.mark.slow])
+
+
+@pytest.mark.parametrize("backend", ["embedded", TANSU])
 def test_two_samplers_share_the_gate_and_never_collide(backend, tiny, tmp_path, request):
     run_id = f"replicas-{backend}-{tmp_path.name[-12:]}"
     # max_staleness 1 and batches of 256, 8 slots each, segments of 16: one gate for all 16
@@ -103,7 +106,8 @@ def test_two_samplers_share_the_gate_and_never_collide(backend, tiny, tmp_path, 
     url = (f"sqlite:///{tmp_path}/events.db" if backend == "embedded"
            else f"kafka://{request.getfixturevalue('tansu')}")
     samplers, published, run, worst, at_share, follows = asyncio.run(
-        run_loop_with_replicas(url, cfg, versions=3, timeout_s=120))
+        run_loop_with_replicas(url, cfg, versions=5, timeout_s=120))  # 5 x 256 steps: every
+    # slot's first episode has reached the tiny task's 80-step cap, so some have finished
 
     report = check_run(run, segment_store=f"{cfg.run.run_dir}/segments.zarr",
                        checkpoint_dir=f"{cfg.run.run_dir}/checkpoints",
@@ -167,6 +171,7 @@ def test_restarted_replica_ends_only_its_own_trajectories(tiny, tmp_path):
     assert resumed == 3 + 1  # its own steps only: 3 of the open one and 1 of the ended one
 
 
+@pytest.mark.slow
 def test_launcher_restarts_a_killed_sampler_replica_which_ends_only_its_own_episodes(tiny,
                                                                                       tmp_path):
     """``gyre launch --replicas sampler=2`` with the core roles on the embedded bus; one

@@ -35,9 +35,8 @@ from gyre_async.storage.checkpoints import CheckpointStore
 from gyre_async.storage.errors import SegmentStoreError
 from gyre_async.storage.readable import unreadable_segments
 from gyre_async.storage.segments import SegmentStore
-from schemas import event_id
 from schemas.config import Config
-from schemas.events import CriticReset, RewardFailed, Rollback, Scored, SegmentDropped
+from schemas.events import RewardFailed, Rollback, Scored
 from schemas.topics import KEEPER, POLICY_VERSION, SCORED, TELEMETRY
 
 T = TypeVar("T")
@@ -146,22 +145,11 @@ class Learner(Actor):
                     self.core.publish(reason, ref, self.runner.name, metrics, update))
 
     def _critic_resets(self, skipped: bool) -> list[Emit]:
-        version, run_id = self.core.version, self.cfg.run.run_id
-        return [Emit(TELEMETRY, CriticReset(
-            event_id=event_id("critic-reset", run_id, version, i), run_id=run_id,
-            producer=self.runner.name, key="policy", version=version, reason=found.reason,
-            max_abs_advantage=found.max_abs_advantage, value_loss=found.value_loss,
-            learning_rate=self.core.learning_rate,
-            skipped_update=skipped))
-            for i, found in enumerate(self.core.take_critic_resets())]
+        return [Emit(TELEMETRY, e) for e in self.core.critic_reset_events(self.runner.name, skipped)]
 
     def _dropped(self, dropped: Dropped) -> Emit:
         """A refused segment, announced: counted by the core, never silently lost."""
-        scored = dropped.scored
-        return Emit(TELEMETRY, SegmentDropped(
-            event_id=event_id("dropped", scored.segment_id), run_id=scored.run_id,
-            producer=self.runner.name, key=scored.trajectory_id,
-            segment_id=scored.segment_id, reason=dropped.reason, staleness=dropped.staleness))
+        return Emit(TELEMETRY, dropped.event(self.runner.name))
 
     def commit_floor(self) -> dict[tuple[str, int], int]:
         return {(SCORED, partition): off for partition, off in self.core.commit_floor().items()}

@@ -45,7 +45,14 @@ from gyre_async.rl.staleness import StalenessGate
 from gyre_async.storage.checkpoints import CheckpointRef
 from schemas import event_id
 from schemas.config import Config
-from schemas.events import PolicyVersion, RewardFailed, Rollback, Scored
+from schemas.events import (
+    CriticReset,
+    PolicyVersion,
+    RewardFailed,
+    Rollback,
+    Scored,
+    SegmentDropped,
+)
 
 VersionReason = Literal["init", "update", "rollback"]
 
@@ -64,6 +71,13 @@ class Dropped:
     scored: Scored
     reason: str
     staleness: int  # versions between the learner and the segment's oldest step
+
+    def event(self, producer: str) -> SegmentDropped:
+        scored = self.scored
+        return SegmentDropped(
+            event_id=event_id("dropped", scored.segment_id), run_id=scored.run_id,
+            producer=producer, key=scored.trajectory_id, segment_id=scored.segment_id,
+            reason=self.reason, staleness=self.staleness)
 
 
 @dataclass(frozen=True)
@@ -324,6 +338,16 @@ class LearnerCore:
         return [replace(found, max_abs_advantage=_finite_or(found.max_abs_advantage),
                         value_loss=_finite_or(found.value_loss))
                 for found in self.critic.take_resets()]
+
+    def critic_reset_events(self, producer: str, skipped: bool) -> list[CriticReset]:
+        """One ``critic-reset`` per reset since the last call (see take_critic_resets)."""
+        version, run_id = self.version, self.cfg.run.run_id
+        return [CriticReset(
+            event_id=event_id("critic-reset", run_id, version, i), run_id=run_id,
+            producer=producer, key="policy", version=version, reason=found.reason,
+            max_abs_advantage=found.max_abs_advantage, value_loss=found.value_loss,
+            learning_rate=self.learning_rate, skipped_update=skipped)
+            for i, found in enumerate(self.take_critic_resets())]
 
     # -- outputs -------------------------------------------------------------------------
     def publish(self, reason: VersionReason, checkpoint: CheckpointRef, producer: str,

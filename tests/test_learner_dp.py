@@ -137,3 +137,14 @@ def test_membership_follows_torchrun_and_refuses_what_it_cannot_do(tmp_path):
         membership(two, {"RANK": "2"})
     with pytest.raises(ConfigError, match="elite"):
         membership(replace(two, elite=replace(two.elite, capacity=4)), {})
+
+
+def test_gyre_run_refuses_a_data_parallel_learner_with_the_fix(tiny):
+    import asyncio
+
+    from gyre_async.errors import ConfigError
+    from gyre_async.runtime.loop import run_loop
+
+    cfg = tiny.config(learner={"world_size": 2})
+    with pytest.raises(ConfigError, match="--replicas learner=N"):
+        asyncio.run(run_loop(cfg, progress=False))

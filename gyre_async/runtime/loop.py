@@ -35,9 +35,11 @@ from gyre_async.audit.runlog import (
 )
 from gyre_async.bus.reading import read_events
 from gyre_async.core.evaluation import Evaluation, eval_trigger
+from gyre_async.errors import ConfigError
 from gyre_async.runtime.actor import ActorRunner
 from gyre_async.runtime.process import install_stop_signals, open_run_bus
 from gyre_async.runtime.topology import RUN_ROLES, build_actor
+from gyre_async.storage.atomic import atomic_write_bytes
 from gyre_async.ui.tensorboard import write_tensorboard
 from schemas import encode
 from schemas.config import Config
@@ -200,10 +202,15 @@ async def _drain(runners: list[ActorRunner], tasks: list[asyncio.Task],
 
 async def run_loop(cfg: Config, *, bus_override: str | None = None, progress: bool = True,
                    roles: tuple[str, ...] = RUN_ROLES) -> dict:
+    if cfg.learner.world_size > 1:
+        raise ConfigError(
+            f"learner.world_size = {cfg.learner.world_size}: gyre run trains with one learner "
+            "process; run a data-parallel learner with `gyre launch CONFIG --replicas "
+            "learner=N` (or torchrun), or set learner.world_size = 1")
     run_dir = cfg.run.run_dir
     os.makedirs(run_dir, exist_ok=True)
-    with open(os.path.join(run_dir, "config.json"), "wb") as f:
-        f.write(msgspec.json.format(msgspec.json.encode(cfg), indent=2))
+    atomic_write_bytes(os.path.join(run_dir, "config.json"),
+                       msgspec.json.format(msgspec.json.encode(cfg), indent=2))
     started = time.monotonic()
     shown = Progress(progress)
     async with open_run_bus(cfg, bus_override) as bus:

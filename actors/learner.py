@@ -76,7 +76,7 @@ class Learner(Actor):
 
     async def on_start(self) -> None:
         bus = self.runner.bus
-        latest = await current_policy_version(bus)
+        latest = await current_policy_version(bus, self.cfg.run.run_id)
         if latest is None:
             await self.runner.emit([await self._publish("init", {})])
         else:

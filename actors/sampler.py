@@ -53,7 +53,7 @@ class Sampler(Actor):
 
     async def on_start(self) -> None:
         await self._abandon_unfinished()
-        latest = await current_policy_version(self.runner.bus)
+        latest = await current_policy_version(self.runner.bus, self.cfg.run.run_id)
         if latest is not None:
             await self.core.follow(latest)
 
@@ -77,8 +77,8 @@ class Sampler(Actor):
 
     async def handle(self, event, record):
         match event:
-            case PolicyVersion():
-                await self.core.follow(event)
+            case PolicyVersion() if event.run_id == self.cfg.run.run_id:  # not another run's
+                await self.core.follow(event)                             # on a shared cluster
         return []
 
     async def produce(self) -> None:

@@ -110,10 +110,22 @@ def test_two_samplers_share_the_gate_and_never_collide(backend, tiny, tmp_path, 
     # slots admits 2 * 256 + 16 * 16 = 768 steps before version 1; each replica 384
     cfg = tiny.config(run={"run_id": run_id}, loop={"max_staleness": 1},
                       learner={"max_versions": 0})
-    url = (f"sqlite:///{tmp_path}/events.db" if backend == "embedded"
-           else f"kafka://{request.getfixturevalue('tansu')}")
-    samplers, published, run, worst, at_share, follows = asyncio.run(
-        run_loop_with_replicas(url, cfg, versions=5, timeout_s=120))  # 5 x 256 steps: every
+    broker = None
+    if backend == "embedded":
+        url = f"sqlite:///{tmp_path}/events.db"
+    else:  # a broker of its own: on a broker shared with other runs this run's roles are
+        # misled by their policy-version events (an open cross-run defect, see docs/bus.md)
+        from brokers import start_broker
+
+        broker = start_broker("tansu", data_dir=str(tmp_path / "tansu"),
+                              log_path=str(tmp_path / "tansu.log"))
+        url = f"kafka://{broker.bootstrap}"
+    try:
+        samplers, published, run, worst, at_share, follows = asyncio.run(
+            run_loop_with_replicas(url, cfg, versions=5, timeout_s=120))
+    finally:
+        if broker is not None:
+            broker.stop()  # 5 x 256 steps: every
     # slot's first episode has reached the tiny task's 80-step cap, so some have finished
 
     report = check_run(run, segment_store=f"{cfg.run.run_dir}/segments.zarr",

@@ -32,8 +32,9 @@ async def load_runlog(bus: Bus, *, with_steps: bool = True) -> RunFold:
     return fold
 
 
-async def current_policy_version(bus: Bus) -> PolicyVersion | None:
-    """The policy in force: the last ``policy-version`` published (a rollback may lower it).
+async def current_policy_version(bus: Bus, run_id: str) -> PolicyVersion | None:
+    """The policy in force in ``run_id``: the last ``policy-version`` it published (a rollback
+    may lower it). Other runs on the same cluster share the topic, so the run id filters.
 
     The topic is keyed by one key, so it lives on one partition and log order is
     publication order. Actors call this on start (a rebuild): undecodable records are
@@ -44,7 +45,7 @@ async def current_policy_version(bus: Bus) -> PolicyVersion | None:
     if POLICY_VERSION not in known:
         return None
     async for _record, event in read_events(bus, [POLICY_VERSION], on_bad="skip"):
-        if isinstance(event, PolicyVersion) and \
+        if isinstance(event, PolicyVersion) and event.run_id == run_id and \
                 (latest is None or (event.ts, event.version) >= (latest.ts, latest.version)):
             latest = event
     return latest

@@ -137,7 +137,7 @@ async def publish_warmstart(cfg: Config, policy: Policy, stats: dict[str, float]
 
     async with open_run_bus(cfg, bus_override) as bus:
         await bus.create_topics(ALL_TOPICS, cfg.bus.partitions)
-        latest = await current_policy_version(bus)
+        latest = await current_policy_version(bus, cfg.run.run_id)
         if latest is not None:
             raise ConfigError(
                 f"run {cfg.run.run_id!r} already has policy version {latest.version} "

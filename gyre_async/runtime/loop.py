@@ -149,7 +149,7 @@ async def _final_evaluation(cfg: Config, bus, progress: Progress) -> None:
     A run cut by ``max_wall_s`` or ``max_env_steps`` still ends with a validation figure
     for the policy it actually produced, published like any other ``eval`` event.
     """
-    latest = await current_policy_version(bus)
+    latest = await current_policy_version(bus, cfg.run.run_id)
     evaluated = {event.policy_version
                  async for _record, event in read_events(bus, [EVAL], on_bad="skip")
                  if isinstance(event, EvalResult)}

@@ -106,7 +106,7 @@ def test_two_gloo_ranks_update_exactly_like_one_learner(tmp_path):
     group_cfg = replace(cfg, learner=replace(cfg.learner, world_size=2,
                                              rendezvous=f"file://{tmp_path}/rendezvous"))
     mp.spawn(_rank_main, args=(group_cfg, batches, str(tmp_path)), nprocs=2, join=True)
-    leader, follower = (torch.load(f"{tmp_path}/rank{r}.pt") for r in (0, 1))
+    leader, follower = (torch.load(f"{tmp_path}/rank{r}.pt", weights_only=True) for r in (0, 1))
 
     for name, expected in single_sgd.items():
         for rank in (leader, follower):

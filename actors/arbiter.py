@@ -14,9 +14,11 @@ A component that fails emits ``reward-failed`` (one per component, with the reas
 the segment gets no ``scored`` event: it is withheld, never paid with a zero in place of
 the failed part. The state (pay-once, the farming guard's memory, the segments already
 handled, the drift monitor's schedule and the process model's weight in force) is the
-fold of our own ``scored`` and ``drift-report`` events (:mod:`gyre_async.core.arbiter`):
-on restart they are read back and applied, live each output is applied as it is made, so
-a redelivered segment is never scored, and never paid, twice.
+fold of the run's ``scored`` events and our ``drift-report`` events
+(:mod:`gyre_async.core.arbiter`): whenever partitions come to this arbiter (its start, or
+another replica of ``gyre launch --replicas arbiter=N`` leaving) they are read back and
+applied, live each output is applied as it is made, so a redelivered or handed-over
+segment is never scored, and never paid, twice.
 """
 
 from __future__ import annotations
@@ -44,12 +46,20 @@ class Arbiter(Actor):
         return cls(cfg.arbiter)
 
     async def on_start(self) -> None:
-        self.core.producer = self.runner.name  # our outputs, and the log we fold, carry it
+        self.core.producer = self.runner.name  # our outputs, and our drift reports, carry it
+
+    async def assignment_changed(self, added, removed) -> None:
+        if any(topic == SEGMENT_CLOSED for topic, _ in added):
+            await self._fold_verdicts()
+
+    async def _fold_verdicts(self) -> None:
+        """Every verdict of this run so far (any of its arbiters), and our drift reports."""
         # telemetry is mostly heartbeats: read it only when drift reports can be there
         topics = [SCORED, TELEMETRY] if self.core.watches_drift else [SCORED]
         async for _record, event in read_events(self.runner.bus, topics, on_bad="skip",
                                                 counts=self.rebuild):
-            self.core.apply(event)
+            if event.run_id == self.runner.run_id:  # not another run's on a shared cluster
+                self.core.apply(event)
 
     async def handle(self, event, record):
         match event:

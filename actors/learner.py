@@ -34,7 +34,7 @@ from gyre_async.runtime.actor import Actor, Emit
 from gyre_async.storage.checkpoints import CheckpointStore
 from gyre_async.storage.errors import SegmentStoreError
 from gyre_async.storage.readable import unreadable_segments
-from gyre_async.storage.segments import SegmentStore
+from gyre_async.storage.store_set import SegmentStores
 from schemas.config import Config
 from schemas.events import RewardFailed, Rollback, Scored
 from schemas.topics import KEEPER, POLICY_VERSION, SCORED, TELEMETRY
@@ -69,10 +69,10 @@ class Learner(Actor):
         return cls(cfg)
 
     @cached_property
-    def segments(self) -> SegmentStore:
-        """Opened on first use: in one-process-per-role runs the segmenter creates it."""
-        url = self.cfg.segmenter.store or f"{self.cfg.run.run_dir}/segments.zarr"
-        return SegmentStore(url, read_only=True)
+    def segments(self) -> SegmentStores:
+        """Each segmenter's store, opened when an address first names it (one segmenter
+        per store: gyre_async.storage.store_set)."""
+        return SegmentStores()
 
     async def on_start(self) -> None:
         bus = self.runner.bus

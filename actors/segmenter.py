@@ -6,8 +6,18 @@ emits:    segment-closed (SegmentClosed)
 The cutting rules live in :mod:`gyre_async.core.segmenter`; this adapter feeds it steps,
 writes the segments it closes to the Zarr segment store *before* ``segment-closed``
 announces their address, and keeps the runtime from committing past steps that only its
-memory holds (``commit_floor``). On restart it folds its own ``segment-closed`` log back
-into the core, so redelivered steps of already-closed segments are skipped.
+memory holds (``commit_floor``).
+
+Scale-out (``gyre launch --replicas segmenter=N``): the replicas share the role's consumer
+group, which splits ``trajectory-step``'s partitions between them (a trajectory's steps
+share one partition, its key). Each writes a segment store of its own
+(:func:`~gyre_async.storage.store_set.segment_store_url`: a store has one writer); the
+addresses they announce name their store. When partitions come to a segmenter (its start,
+or another replica leaving) it folds the run's whole ``segment-closed`` log into the core,
+whoever wrote it, so steps another segmenter already segmented are skipped; when
+partitions leave it (a replica joined), it forgets their open and unwritten segments, which
+the new owner reads again from the commit floor. A segment closed by both in the moment of
+a hand-over has one id (it is deterministic) and is handled once downstream.
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ from gyre_async.core.segmenter import (
 from gyre_async.experience.retention import Retention, incoming_bytes
 from gyre_async.runtime.actor import Actor, Emit
 from gyre_async.storage.segments import SegmentStore
+from gyre_async.storage.store_set import segment_store_url
 from schemas.config import Config, SegmenterConfig
 from schemas.events import EnvError, SegmentClosed, TrajectoryStep
 from schemas.topics import SEGMENT_CLOSED, TRAJECTORY_STEP
@@ -37,21 +48,39 @@ class Segmenter(Actor):
     emits = (SEGMENT_CLOSED,)
 
     def __init__(self, config: SegmenterConfig, store_url: str, run_id: str):
+        self.config = config
         self.core = SegmenterCore(config)
         self.pending = PendingWrites(config)
+        self.base_store_url = store_url
         self.store = SegmentStore(store_url, durable=config.fsync)
         self.retention = Retention(self.store, config.retain_bytes)
         self.run_id = run_id
         self.segments = 0
+        self.released = 0  # open or unwritten segments handed over with their partition
 
     @classmethod
     def from_config(cls, cfg: Config) -> Segmenter:
-        store = cfg.segmenter.store or f"{cfg.run.run_dir}/segments.zarr"
-        return cls(cfg.segmenter, store, cfg.run.run_id)
+        return cls(cfg.segmenter, cfg.segmenter.store or f"{cfg.run.run_dir}/segments.zarr",
+                   cfg.run.run_id)
 
     async def on_start(self) -> None:
+        """The store is this segmenter's own (its actor name is known now)."""
+        url = segment_store_url(self.base_store_url, self.runner.name)
+        if url != self.base_store_url:
+            self.store = SegmentStore(url, durable=self.config.fsync)
+            self.retention = Retention(self.store, self.config.retain_bytes)
+
+    async def assignment_changed(self, added, removed) -> None:
+        lost = {partition for topic, partition in removed if topic == TRAJECTORY_STEP}
+        if lost:
+            self.released += self.core.release(lost) + self.pending.release(lost)
+        if any(topic == TRAJECTORY_STEP for topic, _ in added):
+            await self._fold_closed()
+
+    async def _fold_closed(self) -> None:
+        """Every segment this run closed so far, by any of its segmenters."""
         async for _, event in read_events(self.runner.bus, [SEGMENT_CLOSED], on_bad="skip"):
-            if isinstance(event, SegmentClosed) and event.producer == self.runner.name:
+            if isinstance(event, SegmentClosed) and event.run_id == self.run_id:
                 self.core.restore(event)
 
     async def handle(self, event, record):
@@ -94,6 +123,7 @@ class Segmenter(Actor):
     def stats(self):
         r = self.retention.stats
         return {"segments": float(self.segments), "open_segments": float(len(self.core.open)),
+                "released_segments": float(self.released),
                 "retention_deleted": float(r.deleted), "retention_over_bound": float(r.over_bound)}
 
     async def on_stop(self) -> None:

@@ -298,7 +298,8 @@ async def test_a_trajectory_caught_farming_stays_caught_across_a_restart(tmp_pat
 def test_a_rebuilt_core_has_the_live_cores_state():
     """The restart path and the live path are one fold: a core that applies another core's
     outputs (its ``scored`` log) holds the same pay-once, farming and handled state, and
-    does not score a redelivered segment again."""
+    does not score a redelivered segment again. Verdicts of the run's other arbiters (a
+    replica that had the partition before) are folded too."""
     from gyre_async.core.arbiter import ArbiterCore
 
     config = cfg(rules=FEEDBACK_RULE, guards=GuardConfig(farm_repeat=3))
@@ -313,10 +314,11 @@ def test_a_rebuilt_core_has_the_live_cores_state():
     rebuilt = ArbiterCore(config, producer="arbiter")
     for event in outputs:
         rebuilt.apply(event)
-    rebuilt.apply(msgspec.structs.replace(outputs[0], producer="another-arbiter",
-                                         segment_id="x"))  # not ours: ignored
+    assert rebuilt.handled == live.handled == {s.segment_id for s in segments}
+    rebuilt.apply(msgspec.structs.replace(outputs[0], producer="arbiter-1", segment_id="x",
+                                         trajectory_id="g", trajectory_done=True))
     assert rebuilt.paid == live.paid == {"f": {"craft:axe#1"}}  # "a" ended: forgotten
     assert rebuilt.farm == live.farm and rebuilt.farm["f"].caught
-    assert rebuilt.handled == live.handled == {s.segment_id for s in segments}
-    assert (rebuilt.scored, rebuilt.failed) == (live.scored, live.failed) == (4, 0)
+    assert rebuilt.handled == live.handled | {"x"}
+    assert (rebuilt.scored, rebuilt.failed) == (live.scored + 1, live.failed) == (5, 0)
     assert rebuilt.handle(segments[3]) == []

@@ -384,13 +384,16 @@ def test_replicas_expand_into_named_processes_with_replica_flags():
 
     from gyre_async.runtime.launcher import parse_replicas, role_argv
 
-    roles = ["sampler", "segmenter", "arbiter", "learner"]
+    roles = ["sampler", "segmenter", "arbiter", "learner", "keeper"]
     assert parse_replicas("sampler=4", roles) == {"sampler": 4, "segmenter": 1, "arbiter": 1,
-                                                  "learner": 1}
+                                                  "learner": 1, "keeper": 1}
     assert parse_replicas("", roles) == dict.fromkeys(roles, 1)
-    # a data-parallel learner runs as replicas (ranks); state-holding roles do not
+    # a data-parallel learner runs as replicas (ranks), segmenters and arbiters split
+    # partitions; the keeper and evaluator hold the run's judgement and do not
     assert parse_replicas("learner=2", roles)["learner"] == 2
-    for bad in ("sampler=0", "sampler=x", "echo=2", "segmenter=2", "arbiter=2"):
+    assert parse_replicas("segmenter=2,arbiter=3", roles) == {
+        "sampler": 1, "segmenter": 2, "arbiter": 3, "learner": 1, "keeper": 1}
+    for bad in ("sampler=0", "sampler=x", "echo=2", "keeper=2"):
         with pytest.raises(ValueError):
             parse_replicas(bad, roles)
     args = SimpleNamespace(config="c.toml", bus="kafka://b:9092", run_dir=None, log_level=None)

@@ -248,6 +248,24 @@ def _check_training(rep, run, versions, segments, scored, dropped, max_staleness
 
 
 def _check_segment_store(rep, segments, url: str) -> None:
+    """Every store the announcements name (one per segmenter) and ``url``, the run's own."""
+    from gyre_async.storage.store_set import store_url_of
+    from gyre_async.storage.urls import normalize_store_url
+
+    by_store: dict[str, list[SegmentClosed]] = defaultdict(list)
+    for seg in segments:
+        try:
+            by_store[store_url_of(seg.address)].append(seg)
+        except ValueError as exc:
+            rep.corrupt.append(f"announced segment {seg.segment_id}: {exc}")
+    by_store.setdefault(normalize_store_url(url)[0], [])
+    rep.counts["store_segments"] = rep.counts["unannounced_segments"] = 0
+    for store_url, announced_here in sorted(by_store.items()):
+        _check_one_store(rep, announced_here, store_url)
+    rep.counts["segment_stores"] = len(by_store)
+
+
+def _check_one_store(rep, segments, url: str) -> None:
     from gyre_async.storage.segments import SegmentStore, SegmentStoreError
 
     try:
@@ -273,8 +291,8 @@ def _check_segment_store(rep, segments, url: str) -> None:
             store.read(store.address(sid))
         except SegmentStoreError as exc:
             rep.corrupt.append(f"indexed segment {sid}: {exc}")
-    rep.counts["store_segments"] = len(indexed)
-    rep.counts["unannounced_segments"] = len(unannounced)
+    rep.counts["store_segments"] += len(indexed)
+    rep.counts["unannounced_segments"] += len(unannounced)
 
 
 def _check_checkpoints(rep, versions, root: Path) -> None:

@@ -159,7 +159,8 @@ async def replay_learner(recorded: Bus, cfg: Config) -> ReplayReport:
     from gyre_async.compose import build_policy, load_weights
     from gyre_async.core.learner_batch import BatchItem, prepare_batch
     from gyre_async.rl.fusion import OutcomeBook
-    from gyre_async.storage.segments import SegmentNotFound, SegmentStore
+    from gyre_async.storage.segments import SegmentNotFound
+    from gyre_async.storage.store_set import SegmentStores
     from schemas.events import PolicyVersion
     from schemas.topics import POLICY_VERSION
 
@@ -172,8 +173,7 @@ async def replay_learner(recorded: Bus, cfg: Config) -> ReplayReport:
     updates = [u for u in all_updates if u.advantage_digest]
     report.inputs = len(scored)
     report.recorded_outputs = len(updates)
-    store = SegmentStore(cfg.segmenter.store or f"{cfg.run.run_dir}/segments.zarr",
-                         read_only=True)
+    store = SegmentStores()  # every segmenter's store, as the addresses name them
     policy = build_policy(cfg)
     settings = cfg.learner
     book = OutcomeBook(cfg.sampler.group_size)

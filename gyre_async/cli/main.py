@@ -153,8 +153,10 @@ def _replica(args, cfg):
 
     A sampler replica gets ``sampler.replica = I``, ``sampler.replicas = N`` (its seeds,
     and its share of the staleness budget); a learner replica is rank I of a data-parallel
-    learner of ``world_size = N`` (rank 0 leads and publishes); every replica is named ``ROLE-I`` unless
-    ``--name`` says otherwise (its trajectory ids, and a sampler's own consumer group).
+    learner of ``world_size = N`` (rank 0 leads and publishes); segmenter and arbiter replicas
+    split their input's partitions in the role's group (a segmenter replica writes a store of
+    its own). Every replica is named ``ROLE-I`` unless ``--name`` says otherwise (its
+    trajectory ids, its segment store, and a sampler's own consumer group).
     """
     if not args.replica:
         return cfg, args.name

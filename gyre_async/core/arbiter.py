@@ -13,9 +13,12 @@ plus the idempotency record and the drift monitor's schedule and weight:
 One idiom serves a restart and live work (event sourcing): :meth:`ArbiterCore.apply` folds
 one of our own output events. A restart applies every recorded ``scored`` (and, with a
 reference set, ``drift-report``) event of ours; live, :meth:`ArbiterCore.handle` scores
-a segment and applies each output before returning it. Events of other producers (another
-arbiter instance's) are not ours and are ignored. Precedence and the failure policy are
-:mod:`gyre_async.rewards.arbitration`'s.
+a segment and applies each output before returning it. Verdicts of the run's other arbiters
+(scale-out: the replicas split ``segment-closed``'s partitions, a trajectory's segments
+share one) are folded alike, so a partition that moves from one arbiter to another keeps
+its pay-once record and is never scored twice; drift reports are each arbiter's own (its
+schedule counts what it handled). The caller keeps other runs' events out. Precedence and
+the failure policy are :mod:`gyre_async.rewards.arbitration`'s.
 """
 
 from __future__ import annotations
@@ -42,9 +45,8 @@ class ArbiterCore:
         self.failed = 0  # segments withheld (one or more components failed)
 
     def apply(self, event: Event) -> None:
-        """Fold one of our own outputs into the state (a restart and live work alike)."""
-        if event.producer != self.producer:
-            return
+        """Fold one verdict of the run, or one of our drift reports, into the state (a
+        restart, a partition taken over and live work alike). Idempotent."""
         match event:
             case Scored() | RewardFailed():
                 if event.segment_id in self.handled:
@@ -61,7 +63,7 @@ class ArbiterCore:
                     self.paid.setdefault(event.trajectory_id, set()).update(
                         event.paid_milestones)
                     self.farm[event.trajectory_id] = FarmState.decode(event.guard_state)
-            case DriftReport():
+            case DriftReport() if event.producer == self.producer:
                 self.drift.apply(event)
 
     @property

@@ -121,7 +121,9 @@ class SegmenterCore:
         self.ended: set[str] = set()
 
     def restore(self, closed: SegmentClosed) -> None:
-        """Fold one of our own past outputs back into state (restart recovery)."""
+        """Fold one closed segment of the run back into state: on a restart, and when a
+        partition comes from another segmenter of the run (scale-out), so that steps it
+        already segmented are skipped. Idempotent."""
         self.next_step[closed.trajectory_id] = max(
             self.next_step.get(closed.trajectory_id, 0), closed.step_end
         )
@@ -176,6 +178,16 @@ class SegmenterCore:
             self.ended.add(tid)
         return ClosedSegment(tid, tuple(seg.steps), boundary, terminal, seg.offsets[0])
 
+    def release(self, partitions: set[int]) -> int:
+        """Forget the open segments whose steps came from ``partitions`` (now another
+        segmenter's: it reads them again from our commit floor and closes them itself).
+        Returns how many were dropped."""
+        gone = [tid for tid, seg in self.open.items()
+                if seg.offsets and seg.offsets[0][0] in partitions]
+        for tid in gone:
+            del self.open[tid]
+        return len(gone)
+
     def commit_floor(self) -> CommitFloor:
         floor: CommitFloor = {}
         for seg in self.open.values():
@@ -211,6 +223,16 @@ class PendingWrites:
             return []  # wait for more: their steps stay uncommitted (commit_floor)
         due, self.segments, self._oldest = self.segments, [], None
         return due
+
+    def release(self, partitions: set[int]) -> int:
+        """Drop the closed-but-unwritten segments from ``partitions`` (see
+        :meth:`SegmenterCore.release`); their new owner writes them."""
+        kept = [seg for seg in self.segments if seg.first_offset[0] not in partitions]
+        dropped = len(self.segments) - len(kept)
+        self.segments = kept
+        if not kept:
+            self._oldest = None
+        return dropped
 
     def hold(self, floor: CommitFloor) -> CommitFloor:
         """``floor`` lowered to the first step of every segment not yet written (a crash

@@ -37,6 +37,7 @@ import structlog
 
 from gyre_async import timing
 from gyre_async.bus import Bus, Consumer, Record
+from gyre_async.bus.base import TopicPartition
 from gyre_async.errors import is_retriable
 from schemas import DecodeError, Event, decode, encode, event_id
 from schemas.events import DeadLetter, Heartbeat
@@ -82,6 +83,14 @@ class Actor:
     async def after_batch(self) -> Sequence[Emit]:
         """Outputs that depend on a whole batch (published with it, before its commit)."""
         return ()
+
+    async def assignment_changed(self, added: set[TopicPartition],
+                                 removed: set[TopicPartition]) -> None:
+        """The consumer group moved input partitions to (``added``) or from (``removed``)
+        this member: a replica of the role joined or left. Called before the first records
+        of an added partition are handled (the first assignment counts as added), so an
+        actor whose state is per partition can catch up on what another member did with it,
+        and let go of state for partitions that are no longer its own."""
 
     async def ready(self) -> None:
         """Wait here to hold consumption (backpressure); the default never waits."""
@@ -163,6 +172,8 @@ class ActorRunner:
         self._hb_seq = 0
         self._consumer: Consumer | None = None
         self._held: dict[tuple[str, int], int] = {}  # next offsets held back by the floor
+        self._assigned: set[TopicPartition] = set()  # as last told to the actor
+        self.reassignments = 0  # times the group moved partitions to or from this member
         #: next offset to consume per partition (fetched *and* handled, outputs published)
         self.position: dict[tuple[str, int], int] = {}
         self._busy = False  # a fetched batch (or an idle pass) whose outputs are not out yet
@@ -269,11 +280,22 @@ class ActorRunner:
         while not self.stopping.is_set():
             await self.actor.ready()
             records = await self._consumer.fetch(self.max_in_flight, self.fetch_timeout_s)
+            await self._follow_assignment()
             self._busy = True  # until this pass's outputs are out (caught_up reads it)
             try:
                 await self._handle_batch(records)
             finally:
                 self._busy = False
+
+    async def _follow_assignment(self) -> None:
+        assert self._consumer is not None
+        now = set(self._consumer.assignment())
+        if now != self._assigned:
+            added, removed = now - self._assigned, self._assigned - now
+            self._assigned = now
+            self.reassignments += 1
+            self.log.info("actor.assignment", added=sorted(added), removed=sorted(removed))
+            await self.actor.assignment_changed(added, removed)
 
     async def _handle_batch(self, records: list[Record]) -> None:
         if not records:

@@ -31,11 +31,11 @@ Behaviour:
   (``gyre actor ROLE --replica I/N``), each supervised on its own. Samplers scale by
   environments (each replica its own seeds, ids, policy-version group and share of the
   staleness budget); ``--replicas learner=2`` runs a data-parallel learner (replica I is
-  rank I of ``world_size`` N; rank 0 alone is on the bus). The other roles run once per
-  run for now: the segment store has one writer, and the segmenter's and arbiter's restart
-  state is folded from their own outputs at start, not per partition, so a partition that
-  moves between two members mid-run would be segmented or paid again (docs/bus.md, "Many
-  samplers").
+  rank I of ``world_size`` N; rank 0 alone is on the bus). ``--replicas segmenter=N`` and
+  ``arbiter=N`` split their input topic's partitions in the role's consumer group (each
+  segmenter writes a segment store of its own; each folds the run's log, whoever wrote it,
+  when partitions come to it, so a hand-over neither loses nor repeats work). The keeper and
+  the evaluator hold the run's judgement and run once.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ BACKOFF_CAP_S = 10.0
 STABLE_AFTER_S = 60.0
 POLL_S = 0.2
 #: roles that may run as several processes (``--replicas``); the others hold the run's state
-REPLICABLE = ("sampler", "learner", "echo")
+REPLICABLE = ("sampler", "learner", "segmenter", "arbiter", "echo")
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:

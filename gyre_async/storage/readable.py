@@ -11,9 +11,10 @@ from collections.abc import Iterable
 
 from gyre_async.storage.errors import SegmentStoreError
 from gyre_async.storage.segments import SegmentStore
+from gyre_async.storage.store_set import SegmentStores
 
 
-def unreadable_segments(store: SegmentStore, addresses: Iterable[str]) -> dict[str, str]:
+def unreadable_segments(store: SegmentStore | SegmentStores, addresses: Iterable[str]) -> dict[str, str]:
     """``{address: reason}`` for every segment that fails to read with its content hash."""
     bad: dict[str, str] = {}
     for address in dict.fromkeys(addresses):

@@ -42,10 +42,8 @@ def replica_config(cfg, index: int):
 
 
 async def run_loop_with_replicas(url: str, cfg, versions: int, timeout_s: float):
-    """Two samplers, segmenter, arbiter, learner until ``versions``.
-
-    One segmenter: the segment store has one writer (gyre_async.storage.segments), so two
-    segmenters in one group would need a store each (see docs/bus.md)."""
+    """Two samplers, segmenter, arbiter, learner until ``versions`` (many segmenters and
+    arbiters: tests/test_many_segmenters.py)."""
     async with open_bus(url) as bus:
         await bus.create_topics(ALL_TOPICS, cfg.bus.partitions)
         samplers = [Sampler(replica_config(cfg, i)) for i in range(REPLICAS)]

@@ -57,9 +57,8 @@ class Arbiter(Actor):
         # telemetry is mostly heartbeats: read it only when drift reports can be there
         topics = [SCORED, TELEMETRY] if self.core.watches_drift else [SCORED]
         async for _record, event in read_events(self.runner.bus, topics, on_bad="skip",
-                                                counts=self.rebuild):
-            if event.run_id == self.runner.run_id:  # not another run's on a shared cluster
-                self.core.apply(event)
+                                                counts=self.rebuild, run_id=self.runner.run_id):
+            self.core.apply(event)
 
     async def handle(self, event, record):
         match event:

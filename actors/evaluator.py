@@ -51,7 +51,8 @@ class Evaluator(Actor):
     async def _find_version(self, wanted: int) -> PolicyVersion | None:
         """The last publication of version ``wanted`` (-1: the newest publication)."""
         found = None
-        async for _, event in read_events(self.runner.bus, [POLICY_VERSION], on_bad="skip"):
+        async for _, event in read_events(self.runner.bus, [POLICY_VERSION], on_bad="skip",
+                                              run_id=self.runner.run_id):
             if isinstance(event, PolicyVersion) and (wanted < 0 or event.version == wanted):
                 found = event
         return found

@@ -71,7 +71,7 @@ class Keeper(Actor):
         known = {t.name for t in await self.runner.bus.topics()}
         topics = [t for t in (KEEPER, POLICY_VERSION, EVAL) if t in known]
         async for _record, event in read_events(self.runner.bus, topics, on_bad="skip",
-                                                counts=self.rebuild):
+                                                counts=self.rebuild, run_id=self.runner.run_id):
             self.core.apply(event)
 
     async def handle(self, event, record):

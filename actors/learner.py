@@ -82,8 +82,10 @@ class Learner(Actor):
         else:
             await asyncio.to_thread(load_weights, self.policy, latest.checkpoint,
                                     latest.checkpoint_hash)
-            self.core.restore(latest, await restore_outcome_book(
-                bus, self.cfg.sampler.group_size), await recently_trained(bus, self.cfg.run.run_id))
+            run_id = self.cfg.run.run_id
+            self.core.restore(latest,
+                              await restore_outcome_book(bus, self.cfg.sampler.group_size, run_id),
+                              await recently_trained(bus, run_id))
         await asyncio.to_thread(self.group.started, self.core, latest is not None)
 
     async def on_stop(self) -> None:

@@ -79,8 +79,9 @@ class Segmenter(Actor):
 
     async def _fold_closed(self) -> None:
         """Every segment this run closed so far, by any of its segmenters."""
-        async for _, event in read_events(self.runner.bus, [SEGMENT_CLOSED], on_bad="skip"):
-            if isinstance(event, SegmentClosed) and event.run_id == self.run_id:
+        async for _, event in read_events(self.runner.bus, [SEGMENT_CLOSED], on_bad="skip",
+                                          run_id=self.run_id):
+            if isinstance(event, SegmentClosed):
                 self.core.restore(event)
 
     async def handle(self, event, record):

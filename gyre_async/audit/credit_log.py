@@ -22,18 +22,20 @@ def batch_keys(segments: list[Scored]) -> list[tuple[str, str, bool]]:
     return [(s.trajectory_id, s.task_id, s.trajectory_done) for s in segments]
 
 
-async def read_credit_log(bus: Bus, on_bad: Literal["skip", "raise"] = "raise"
+async def read_credit_log(bus: Bus, on_bad: Literal["skip", "raise"] = "raise",
+                          run_id: str | None = None,
                           ) -> tuple[dict[str, Scored], list[PolicyVersion]]:
     """Every scored segment (log order) and every update the learner published (in order).
 
     ``on_bad``: the replay audit raises on an undecodable record (no report on a partial
-    log); the learner's restart skips it, as the live learner dead-lettered it.
+    log); the learner's restart skips it, as the live learner dead-lettered it. ``run_id``:
+    only that run's events (a cluster's topics hold every run's).
     """
     known = {t.name for t in await bus.topics()}
     scored: dict[str, Scored] = {}
     updates: list[PolicyVersion] = []
     topics = [t for t in (SCORED, POLICY_VERSION) if t in known]
-    async for _, event in read_events(bus, topics, on_bad=on_bad):
+    async for _, event in read_events(bus, topics, on_bad=on_bad, run_id=run_id):
         if isinstance(event, Scored):
             scored[event.segment_id] = event
         elif isinstance(event, PolicyVersion) and event.reason == "update":
@@ -51,10 +53,10 @@ def replay_outcome_book(book: OutcomeBook, scored: dict[str, Scored],
         yield update, book.global_advantages(batch_keys(batch))
 
 
-async def restore_outcome_book(bus: Bus, group_size: int) -> OutcomeBook:
-    """The book as the learner left it after its last published update."""
+async def restore_outcome_book(bus: Bus, group_size: int, run_id: str) -> OutcomeBook:
+    """The book as the learner of ``run_id`` left it after its last published update."""
     book = OutcomeBook(group_size)
-    scored, updates = await read_credit_log(bus, on_bad="skip")
+    scored, updates = await read_credit_log(bus, on_bad="skip", run_id=run_id)
     for _ in replay_outcome_book(book, scored, updates):
         pass
     return book

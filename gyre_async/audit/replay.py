@@ -169,7 +169,7 @@ async def replay_learner(recorded: Bus, cfg: Config) -> ReplayReport:
     async for _, event in read_events(recorded, [POLICY_VERSION], on_bad="raise"):
         if isinstance(event, PolicyVersion):
             versions[event.version] = event
-    scored, all_updates = await read_credit_log(recorded)
+    scored, all_updates = await read_credit_log(recorded, run_id=cfg.run.run_id)
     updates = [u for u in all_updates if u.advantage_digest]
     report.inputs = len(scored)
     report.recorded_outputs = len(updates)

@@ -19,9 +19,11 @@ from schemas.events import PolicyVersion
 from schemas.topics import EVAL, POLICY_VERSION, SCORED, SEGMENT_CLOSED, TELEMETRY, TRAJECTORY_STEP
 
 
-async def load_runlog(bus: Bus, *, with_steps: bool = True) -> RunFold:
-    """The run's events folded (skipping and counting undecodable records)."""
-    fold = RunFold()
+async def load_runlog(bus: Bus, *, with_steps: bool = True,
+                      run_id: str | None = None) -> RunFold:
+    """The run's events folded (skipping and counting undecodable records); with ``run_id``
+    only that run's (a cluster's topics hold every run's)."""
+    fold = RunFold(run_id)
     topics = [POLICY_VERSION, EVAL, SEGMENT_CLOSED, SCORED, TELEMETRY]
     if with_steps:
         topics.append(TRAJECTORY_STEP)

@@ -90,12 +90,13 @@ class ReadCounts:
     decoded: int = 0
     skipped: int = 0
     last_skip_reason: str = ""
+    foreign: int = 0  # decoded, but of another run (with ``run_id``)
     next_offsets: dict[tuple[str, int], int] = field(default_factory=dict)
 
 
 async def read_events(
     bus: Bus, topics: Sequence[str], *, on_bad: Literal["skip", "raise"] = "skip",
-    follow: bool = False, counts: ReadCounts | None = None,
+    follow: bool = False, counts: ReadCounts | None = None, run_id: str | None = None,
 ) -> AsyncIterator[tuple[Record, Event]]:
     """Every event of ``topics`` from offset 0, decoded: the one way to read a topic back.
 
@@ -105,7 +106,8 @@ async def read_events(
     poisoned record the way live actors do (those records sit in ``dead-letter`` already);
     ``"raise"`` stops with :class:`UndecodableRecord`, which suits audits that must not
     report on a partial log. Events are read without the live size limit: whatever the bus
-    accepted is part of the run.
+    accepted is part of the run. With ``run_id``, only that run's events are yielded (topics
+    are shared by every run on a cluster; the others are counted in ``counts.foreign``).
     """
     seen = counts if counts is not None else ReadCounts()
     async for record in iter_topics(bus, topics, follow=follow):
@@ -121,4 +123,7 @@ async def read_events(
                         offset=record.offset, reason=exc.reason)
             continue
         seen.decoded += 1
+        if run_id is not None and event.run_id != run_id:
+            seen.foreign += 1
+            continue
         yield record, event

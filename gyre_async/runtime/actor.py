@@ -8,6 +8,9 @@ lives here, once, for every role:
   the batch's input offsets are committed (on the embedded bus both go in one transaction);
 - **idempotency by event id**: outputs carry ids derived from their inputs, and inputs
   already handled in this process are skipped, so redelivery never double-counts;
+- **one run per runner**: topic names are shared by every run on a cluster, so an input
+  whose ``run_id`` is not the runner's is skipped and counted (``foreign_events``), never
+  handled: a second run on the same brokers does not feed on the first one's events;
 - **bad input never stops an actor**: undecodable bytes, unknown schema versions, oversized
   events, failing constraints and non-retriable handler errors go to ``dead-letter`` with
   the reason and the original bytes; retriable errors are retried with backoff (bus errors,
@@ -166,6 +169,7 @@ class ActorRunner:
         self.processed = 0
         self.dead_letters = 0
         self.duplicates = 0
+        self.foreign = 0  # events of other runs (topics are shared by every run on a cluster)
         self._seen: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._seen_cap = 200_000
         self._started = time.monotonic()
@@ -360,6 +364,9 @@ class ActorRunner:
                 event = decode(record.topic, record.value, self.bus.max_message_bytes)
         except DecodeError as exc:
             return [self._dead_letter(record, exc.reason)]
+        if event.run_id != self.run_id:  # another run's, on a cluster runs share
+            self.foreign += 1
+            return []
         if event.event_id in self._seen:
             self.duplicates += 1
             return []
@@ -426,6 +433,7 @@ class ActorRunner:
                 lag = unconsumed = -1
         self._hb_seq += 1
         stats = {"dead_letters": float(self.dead_letters), "duplicates": float(self.duplicates),
+                 "foreign_events": float(self.foreign),
                  "unconsumed": float(unconsumed)}
         stats.update(self.actor.stats())
         hb = Heartbeat(

@@ -65,10 +65,10 @@ class Progress:
     """Live numbers from the bus (the run's :class:`RunFold`, kept bounded): episodes,
     success, staleness, steps/s, the latest evaluation."""
 
-    def __init__(self, enabled: bool):
+    def __init__(self, enabled: bool, run_id: str | None = None):
         self.enabled = enabled
         self.started = time.monotonic()
-        self.run = RunFold(keep_records=False)
+        self.run = RunFold(run_id, keep_records=False)
         self._live: Live | None = None
 
     @property
@@ -151,7 +151,8 @@ async def _final_evaluation(cfg: Config, bus, progress: Progress) -> None:
     """
     latest = await current_policy_version(bus, cfg.run.run_id)
     evaluated = {event.policy_version
-                 async for _record, event in read_events(bus, [EVAL], on_bad="skip")
+                 async for _record, event in read_events(bus, [EVAL], on_bad="skip",
+                                                         run_id=cfg.run.run_id)
                  if isinstance(event, EvalResult)}
     if latest is None or latest.version in evaluated:
         return
@@ -212,7 +213,7 @@ async def run_loop(cfg: Config, *, bus_override: str | None = None, progress: bo
     atomic_write_bytes(os.path.join(run_dir, "config.json"),
                        msgspec.json.format(msgspec.json.encode(cfg), indent=2))
     started = time.monotonic()
-    shown = Progress(progress)
+    shown = Progress(progress, cfg.run.run_id)
     async with open_run_bus(cfg, bus_override) as bus:
         await bus.create_topics(ALL_TOPICS, cfg.bus.partitions)
         runners = [ActorRunner(build_actor(role, cfg), bus, run_id=cfg.run.run_id, name=role,
@@ -249,7 +250,7 @@ async def run_loop(cfg: Config, *, bus_override: str | None = None, progress: bo
         await _final_evaluation(cfg, bus, shown)
         lags = await final_lag(bus, {r.group: r.actor.consumes for r in runners
                                      if r.actor.consumes})
-        runlog = await load_runlog(bus)
+        runlog = await load_runlog(bus, run_id=cfg.run.run_id)
     wall = time.monotonic() - started
     write_metrics(runlog, os.path.join(run_dir, "metrics.jsonl"))
     write_tensorboard(metrics_rows(runlog), run_dir)  # same scalars, for `tensorboard --logdir`

@@ -9,9 +9,10 @@ An update is *large* when, against its parent, the mean KL of next-token distrib
 a fixed probe set exceeds ``keeper.large_update_kl`` or the relative weight change exceeds
 ``keeper.large_update_param_change`` (``gyre_async.rl.policy_distance``).
 
-When a version's validation regresses beyond noise (``gyre_async.core.keeper_rules``: at least
-``min_regressed_metrics`` metrics below the best by more than ``noise_k`` binomial standard
-errors), the keeper restores the best slot (hash verified; a corrupt slot is reported as
+When a version's validation regresses beyond noise (``gyre_async.core.keeper_rules``: the
+success rate below the best by more than ``noise_k`` binomial standard errors, and either by
+more than ``success_alone_k`` or with at least ``min_regressed_metrics`` metrics in all),
+the keeper restores the best slot (hash verified; a corrupt slot is reported as
 ``checkpoint-fault`` and the next slot is used: stable, then pre-large) and publishes a
 ``rollback`` order with the weights, the learning rate cut by ``keeper.lr_cut``, and why.
 

@@ -190,7 +190,7 @@ class KeeperCore:
         assert best is not None  # is_better(ev, None) is always true
         keeper = self.cfg.keeper
         verdict = judge(best, ev, keeper.noise_k, keeper.min_regressed_metrics,
-                        keeper.require_success_regression)
+                        keeper.require_success_regression, keeper.success_alone_k)
         if not verdict.regressed or v <= best.policy_version:
             stable = self.slots.slots.get("stable")
             if stable is not None and stable.version > v:

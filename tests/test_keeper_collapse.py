@@ -60,6 +60,10 @@ def test_collapse_pattern_numbers_and_verdicts():
     assert z["success_rate/z"] == pytest.approx(0.625 / np.sqrt(34 / 64 * 30 / 64 * 2 / 32))
     assert z["success_rate/z"] == pytest.approx(5.01, abs=0.01)
     assert z["mean_score/z"] == pytest.approx(2.48, abs=0.01)
+    assert drop_z(0.95, 32, 0.72, 32) == pytest.approx(0.23 / np.sqrt(0.835 * 0.165 * 2 / 32))
+    assert drop_z(0.875, 32, 0.656, 32) == pytest.approx(2.07, abs=0.01)
+    assert drop_z(27 / 32, 32, 9 / 32, 32) == \
+        pytest.approx(0.5625 / np.sqrt(36 / 64 * 28 / 64 * 2 / 32))
     assert max(v for k, v in z.items() if k.startswith("milestone/") and k.endswith("/z")) == \
         pytest.approx(2.07, abs=0.01)
     assert collapse.regressed and collapse.regressed_metrics == ("success_rate",)

@@ -9,9 +9,10 @@ An update is *large* when, against its parent, the mean KL of next-token distrib
 a fixed probe set exceeds ``keeper.large_update_kl`` or the relative weight change exceeds
 ``keeper.large_update_param_change`` (``gyre_async.rl.policy_distance``).
 
-When a version's validation regresses beyond noise (``gyre_async.core.keeper_rules``: at least
-``min_regressed_metrics`` metrics below the best by more than ``noise_k`` binomial standard
-errors), the keeper restores the best slot (hash verified; a corrupt slot is reported as
+When a version's validation regresses beyond noise (``gyre_async.core.keeper_rules``: the
+success rate below the best by more than ``noise_k`` binomial standard errors, and either by
+more than ``success_alone_k`` or with at least ``min_regressed_metrics`` metrics in all),
+the keeper restores the best slot (hash verified; a corrupt slot is reported as
 ``checkpoint-fault`` and the next slot is used: stable, then pre-large) and publishes a
 ``rollback`` order with the weights, the learning rate cut by ``keeper.lr_cut``, and why.
 
@@ -29,6 +30,12 @@ a time), and afterwards it ignores evaluations of versions older than the rollba
 abandoned lineage). Restart: the core (:mod:`gyre_async.core.keeper`) folds every event of
 the ``keeper``, ``policy-version`` and ``eval`` topics with the same ``apply`` it uses live,
 so slots, order count, pending order and best validation come back as they were.
+
+**The run's best version.** Whenever the ``best`` slot changes, the keeper rewrites
+``<run_dir>/best.json`` (:mod:`gyre_async.core.keeper_best`) to point at the new copy,
+before the copy it replaces is removed; a restart writes it from the rebuilt slot if the
+file is missing. ``gyre run`` settles it at the end against the final evaluation, which
+the keeper does not wait for.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ import asyncio
 from gyre_async.bus.reading import ReadCounts, read_events
 from gyre_async.compose import build_policy, build_tokenizer
 from gyre_async.core.keeper import KeeperCore
+from gyre_async.core.keeper_best import read_best, write_best
 from gyre_async.core.keeper_slots import KeptSlots
 from gyre_async.core.probes import probe_contexts
 from gyre_async.runtime.actor import Actor, Emit
@@ -67,12 +75,17 @@ class Keeper(Actor):
         keeper = self.cfg.keeper
         probe = await probe_contexts(self.cfg, self.tokenizer, keeper.probe_contexts,
                                      keeper.probe_seed_start) if keeper.probe_contexts > 0 else []
-        self.core = KeeperCore(self.cfg, self.slots, self.policy, probe, self.runner.name)
+        run_dir = self.cfg.run.run_dir
+        self.core = KeeperCore(self.cfg, self.slots, self.policy, probe, self.runner.name,
+                               on_best=lambda best: write_best(run_dir, best))
         known = {t.name for t in await self.runner.bus.topics()}
         topics = [t for t in (KEEPER, POLICY_VERSION, EVAL) if t in known]
         async for _record, event in read_events(self.runner.bus, topics, on_bad="skip",
                                                 counts=self.rebuild, run_id=self.runner.run_id):
             self.core.apply(event)
+        if (best := self.core.best_pointer()) is not None and \
+                read_best(run_dir, self.cfg.run.run_id) is None:
+            write_best(run_dir, best)  # a pointer lost (or never written): from the log
 
     async def handle(self, event, record):
         assert self.core is not None

@@ -379,6 +379,9 @@ class KeeperConfig(Strict):
     require_success_regression: bool = True
     """... and only when the success rate is one of them (partial-progress metrics dip on
     their own early in training, while a policy narrows; see gyre_async/core/keeper_rules.py)."""
+    success_alone_k: float = 4.0
+    """The success rate alone is enough (no other metric needed) when it falls by more than
+    this many standard errors (0: never alone; see gyre_async/core/keeper_rules.py)."""
     lr_cut: float = 0.5
     """Each rollback multiplies the learning rate by this factor."""
     large_update_kl: float = 0.05

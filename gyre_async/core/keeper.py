@@ -20,12 +20,14 @@ rollback order and who publishes the rollback version) is told in ``actors/keepe
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
 
 import structlog
 import torch
 
+from gyre_async.core.keeper_best import BestVersion, kept_best
 from gyre_async.core.keeper_rules import is_better, judge
 from gyre_async.core.keeper_slots import Fault, Kept, KeptSlots
 from gyre_async.rl.policy_distance import policy_kl, relative_param_change
@@ -71,9 +73,11 @@ class KeeperCore:
     """The keeper's state and decisions; returns events, touches no bus."""
 
     def __init__(self, cfg: Config, slots: KeptSlots, policy, probe: list[list[int]],
-                 producer: str = "keeper"):
+                 producer: str = "keeper",
+                 on_best: Callable[[BestVersion], None] | None = None):
         self.cfg, self.slots, self.policy, self.probe = cfg, slots, policy, probe
         self.producer = producer
+        self.on_best = on_best  # told of each new best copy (the actor writes the pointer)
         # -- state folded by apply ----------------------------------------------------------
         self.versions: dict[int, VersionInfo] = {}
         self.evaluations: dict[int, EvalResult] = {}  # the latest per version (small)
@@ -190,7 +194,7 @@ class KeeperCore:
         assert best is not None  # is_better(ev, None) is always true
         keeper = self.cfg.keeper
         verdict = judge(best, ev, keeper.noise_k, keeper.min_regressed_metrics,
-                        keeper.require_success_regression)
+                        keeper.require_success_regression, keeper.success_alone_k)
         if not verdict.regressed or v <= best.policy_version:
             stable = self.slots.slots.get("stable")
             if stable is not None and stable.version > v:
@@ -233,7 +237,8 @@ class KeeperCore:
             kept = self.slots.keep(slot, version, tensors, {
                 **identity, "run_id": self.cfg.run.run_id, "source_version": str(version),
                 "source_checkpoint": info.checkpoint, "source_sha256": info.checkpoint_hash,
-                "why": why, **{f"measure.{k}": repr(v) for k, v in measures.items()}})
+                "why": why, **{f"measure.{k}": repr(v) for k, v in measures.items()}},
+                on_saved=self._tell_best if slot == "best" else None)
         except CheckpointError as exc:
             return self._fault(Fault(slot, version, info.checkpoint, info.checkpoint_hash,
                                      str(exc)), "")
@@ -242,6 +247,24 @@ class KeeperCore:
             run_id=self.cfg.run.run_id, producer=self.producer, key="keeper", slot=slot,
             version=version, address=kept.address, sha256=kept.sha256, why=why,
             measures=measures))
+
+    def best_pointer(self) -> BestVersion | None:
+        """The pointer to the ``best`` slot's copy, with its validation (None: none yet)."""
+        kept = self.slots.slots.get("best")
+        ev = self.evaluations.get(kept.version) if kept is not None else None
+        info = self.versions.get(kept.version) if kept is not None else None
+        if kept is None or ev is None or info is None:
+            return None
+        return kept_best(self.cfg.run.run_id, ev, info.checkpoint, info.checkpoint_hash,
+                         kept.address, kept.sha256)
+
+    def _tell_best(self, kept: Kept) -> None:
+        if self.on_best is None or (best := self.best_pointer()) is None:
+            return
+        try:
+            self.on_best(best)
+        except OSError as exc:  # the pointer is a convenience: the slot and its event stand
+            log.error("keeper.best_pointer_failed", version=kept.version, error=str(exc))
 
     def _tensors(self, version: int) -> dict[str, torch.Tensor]:
         return self._checkpoint(version)[0]

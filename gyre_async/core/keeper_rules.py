@@ -3,8 +3,8 @@
 Why a rule at all: validation runs a few dozen episodes, so two evaluations of the *same*
 weights differ by ±10-30 points of success rate. Rolling back on every dip would undo real
 progress; never rolling back lets one poisoned update wreck the run. The rule below rolls
-back only when the drop is larger than the noise of the two measurements, on several
-metrics at once.
+back only when the drop is larger than the noise of the two measurements: on several
+metrics at once, or on the success rate alone when its drop is far beyond that noise.
 
 **Regression rule.** Each validation metric is a rate in [0, 1] measured on ``n``
 episodes: the success rate, the mean score (the workshop's score is the share of orders
@@ -20,9 +20,14 @@ standard error: a variable in [0, 1] with mean m has variance at most m (1 - m).
 ``p`` is 0 or 1 both measurements agree exactly and nothing regressed (``se`` 0, ``z`` 0).
 A metric *regresses* when ``z > k`` (``keeper.noise_k``, default 3: a drop this large
 between equal policies has probability ~0.1% per metric under the normal approximation;
-2 would give ~2.3%). The version *regresses* when the **success rate** regresses and at
-least ``min_regressed_metrics`` (default 2) metrics regress at once, the success rate
-counted. Success must be among them (``require_success_regression``, default on) because
+2 would give ~2.3%). The version *regresses* when the **success rate** regresses and
+either
+
+1. its drop alone is decisive: ``z > keeper.success_alone_k`` (default 4), or
+2. at least ``min_regressed_metrics`` (default 2) metrics regress at once, the success
+   rate counted.
+
+Success must be among them (``require_success_regression``, default on) because
 partial-progress metrics dip on their own early in training: a random policy completes
 many sub-tasks by luck, and a policy that is narrowing towards the task loses that
 breadth before it gains success (the quickstart's score fell from 0.41 at v0 to 0.23 at
@@ -31,6 +36,23 @@ alone can be a fluke or a legitimate trade (a milestone skipped by a better rout
 metrics are correlated, not independent witnesses: on a one-order workshop task the score
 *is* the success rate, so the two always regress together and the rule reduces to one
 binomial test at ``noise_k``.
+
+**Why success alone can decide, and why at 4.** Corroboration fails exactly on a collapse
+near the top: once most episodes succeed, the score and the milestone rates sit near 1
+and a policy that stops *finishing* still does most sub-tasks, so they fall far less than
+success. Success 27/32 = 0.844 -> 7/32 = 0.219 (the quickstart's collapse): pooled
+``p = 34/64 = 0.531``, ``se = sqrt(0.531 * 0.469 * 2/32) = 0.125``, ``z = 0.625 / 0.125
+= 5.0``; 9/32 = 0.281 a version later gives ``z = 4.5``. Meanwhile a score of 0.95 -> 0.72
+gives ``z = 2.5`` (pooled 0.835, se 0.093) and a milestone rate 0.875 -> 0.656 gives 2.1:
+no second metric, so rule 2 alone never rolled back. The alone threshold is higher than
+``noise_k`` because the best is the *maximum* of every evaluation so far, so it sits
+above its policy's true rate (the winner's curse) and the drops measured against it are
+inflated. Simulated with 32 episodes per evaluation, a policy on a plateau (true success
+0.3 to 0.8) judged 39 times against its running best drops below it by more than 3
+standard errors in 1.6-2.1% of evaluations (33-39% of such runs would see a false
+rollback), by more than 4 in 0.02-0.06% (0.8-2% of runs). Between 3 and 4 standard errors
+the success drop still needs a second metric (rule 2): 0.75 -> 0.375 on 32 episodes
+(``z = 3.02``) with the score at ``z = 1.8`` is left alone.
 
 **Best version.** Highest success rate; ties go to the higher mean score, then to the
 earlier version (it has stood longer).
@@ -41,6 +63,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from schemas.config import KeeperConfig
 from schemas.events import EvalResult
 
 
@@ -74,7 +97,8 @@ class Verdict:
 
 
 def judge(best: EvalResult, new: EvalResult, noise_k: float, min_metrics: int,
-          require_success: bool = True) -> Verdict:
+          require_success: bool = True,
+          success_alone_k: float = KeeperConfig().success_alone_k) -> Verdict:
     """Apply the regression rule of the module docstring to ``new`` against ``best``."""
     best_values, new_values = metric_values(best), metric_values(new)
     evidence: dict[str, float] = {}
@@ -87,14 +111,24 @@ def judge(best: EvalResult, new: EvalResult, noise_k: float, min_metrics: int,
         evidence[f"{name}/z"] = z
         if z > noise_k:
             regressed.append(name)
-    is_regression = len(regressed) >= max(min_metrics, 1) and \
+    success_z = evidence["success_rate/z"]
+    decisive = "success_rate" in regressed and success_alone_k > 0 and \
+        success_z > success_alone_k
+    corroborated = len(regressed) >= max(min_metrics, 1) and \
         (not require_success or "success_rate" in regressed)
     parts = [f"{m} {best_values[m]:.3f}->{new_values.get(m, 0.0):.3f} "
              f"(z={evidence[f'{m}/z']:.2f})" for m in regressed]
-    why = (f"v{new.policy_version} regressed against best v{best.policy_version} on "
-           f"{len(regressed)} metrics beyond {noise_k:g} standard errors: " + "; ".join(parts)
-           if is_regression else "")
-    return Verdict(is_regression, tuple(regressed), evidence, why)
+    if decisive and not corroborated:
+        why = (f"v{new.policy_version} regressed against best v{best.policy_version}: "
+               f"success rate beyond {success_alone_k:g} standard errors, decisive alone: "
+               + "; ".join(parts))
+    elif corroborated:
+        why = (f"v{new.policy_version} regressed against best v{best.policy_version} on "
+               f"{len(regressed)} metrics beyond {noise_k:g} standard errors: "
+               + "; ".join(parts))
+    else:
+        why = ""
+    return Verdict(decisive or corroborated, tuple(regressed), evidence, why)
 
 
 def is_better(candidate: EvalResult, incumbent: EvalResult | None) -> bool:

@@ -20,6 +20,7 @@ corrupt file is reported and skipped, never loaded and never silently ignored.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -65,8 +66,11 @@ class KeptSlots:
         self.slots: dict[str, Kept] = {}
 
     def keep(self, slot: str, version: int, tensors: dict[str, torch.Tensor],
-             metadata: dict[str, str]) -> Kept:
-        """Copy ``tensors`` into ``slot`` (durable on return); drop the file it replaces."""
+             metadata: dict[str, str], on_saved: Callable[[Kept], None] | None = None) -> Kept:
+        """Copy ``tensors`` into ``slot`` (durable on return); drop the file it replaces.
+
+        ``on_saved`` sees the new copy before the old file goes (the best pointer is
+        rewritten there, so it never names a removed file)."""
         if slot not in RESTORE_ORDER:
             raise ValueError(f"unknown slot {slot!r}; slots are {', '.join(RESTORE_ORDER)}")
         ref: CheckpointRef = self.store.save(version, tensors,
@@ -74,6 +78,8 @@ class KeptSlots:
         old = self.slots.get(slot)
         kept = Kept(slot, version, ref.address, ref.sha256)
         self.slots[slot] = kept
+        if on_saved is not None:
+            on_saved(kept)
         if old is not None and old.address != kept.address and \
                 all(k.address != old.address for k in self.slots.values()):
             self.store.delete(old.address)

@@ -9,7 +9,9 @@ It ends by draining: the sampler stops first, then each downstream role handles 
 already on the bus, so nothing is left in flight; ``summary.json`` records how far behind
 each consumer group still is (``final_lag``: state held on purpose, such as open segments).
 At the end the run directory holds the event log, segment store, checkpoints,
-``metrics.jsonl``, ``learning_curve.png`` and ``summary.json``.
+``metrics.jsonl``, ``learning_curve.png``, ``summary.json`` (with the ``final`` and the
+``best`` validated version) and ``best.json`` (which weights to hand over:
+:mod:`gyre_async.core.keeper_best`).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from gyre_async.audit.runlog import (
 )
 from gyre_async.bus.reading import read_events
 from gyre_async.core.evaluation import Evaluation, eval_trigger
+from gyre_async.core.keeper_best import final_and_best, settle_best
 from gyre_async.errors import ConfigError
 from gyre_async.runtime.actor import ActorRunner
 from gyre_async.runtime.process import install_stop_signals, open_run_bus
@@ -263,6 +266,8 @@ async def run_loop(cfg: Config, *, bus_override: str | None = None, progress: bo
     summary["final_lag"] = lags
     summary["final_lag_bound_steps"] = cfg.learner.batch_steps
     summary["final_lag_within_bound"] = within_bound(lags, cfg.learner.batch_steps)
+    best = settle_best(run_dir, cfg.run.run_id, runlog.evals, runlog.versions)
+    summary.update(final_and_best(cfg.run.run_id, runlog.evals, runlog.versions, best))
     with open(os.path.join(run_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     return summary

@@ -157,9 +157,12 @@ def _figure_html(name: str, result: object) -> str:
 
 def _cards(s: dict, d: ReportData) -> str:
     stale = sum(x.reason == "stale" for x in d.dropped)
+    best = s.get("best") or {}
     items = [
         (_pct(s.get("final_success")),
          f"final val success (v{_fmt(s.get('final_eval_version'))})"),
+        (_pct(best.get("success")), f"best val success (v{_fmt(best.get('version'))}, "
+         "best.json)"),
         (_pct(s.get("initial_success")), "initial val success"),
         (_fmt(s.get("env_steps")), "env steps"),
         (_fmt(s.get("env_steps_per_s")), "env steps / s"),

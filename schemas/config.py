@@ -267,6 +267,10 @@ class LearnerConfig(Strict):
     """Weight of the value loss."""
     entropy_coef: float = 0.01
     """Entropy bonus weight."""
+    kl_to_base: float = 0.0
+    """Weight of a KL penalty to the base model (``[policy.lora]`` only: the base is the
+    same model with its adapters disabled, so no second model is held). Per action token,
+    the non-negative estimator ``exp(r) - r - 1`` with ``r = log p_base - log p``."""
     is_cap: float = 5.0
     """Cap of the importance weight pi_prox / pi_behaviour for stale samples."""
     max_grad_norm: float = 1.0

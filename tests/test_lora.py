@@ -156,3 +156,39 @@ def test_export_model_merges_the_adapters_and_loads_in_transformers(base_dir, ti
             theirs = torch.log_softmax(logits.float(), -1).gather(
                 1, torch.tensor(action)[:, None]).squeeze(1)
             assert torch.allclose(theirs, mine.logprobs[i, :len(action)], atol=1e-4), i
+
+
+def test_kl_to_base_estimator_against_a_slow_reference():
+    from gyre_async.core.learner_ppo import kl_to_base
+
+    gen = torch.Generator().manual_seed(0)
+    logp = -torch.rand(3, 5, generator=gen) * 3
+    base = -torch.rand(3, 5, generator=gen) * 3
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]], dtype=torch.bool)
+    slow = 0.0
+    for i in range(3):
+        for j in range(5):
+            if mask[i, j]:
+                r = float(base[i, j] - logp[i, j])
+                slow += pow(2.718281828459045, r) - r - 1.0
+    assert abs(float(kl_to_base(logp, base, mask)) - slow) < 1e-5
+    assert float(kl_to_base(logp, logp, mask)) == 0.0  # the policy is its base: no penalty
+    assert float(kl_to_base(logp, base, mask)) > 0.0
+
+
+def test_the_base_is_the_policy_with_its_adapters_disabled(base_dir, tiny):
+    from gyre_async.config import validate
+    from gyre_async.errors import ConfigError
+
+    policy = HFPolicy.from_pretrained(base_dir, seed=1, lora=LORA)
+    train_step(policy)
+    plain = HFPolicy.from_pretrained(base_dir, seed=1)
+    contexts, actions = batch(policy)
+    with torch.no_grad():
+        base = policy.base_logprobs(contexts, actions)
+        assert torch.allclose(base, plain.evaluate(contexts, actions).logprobs, atol=1e-6)
+        assert not torch.allclose(base, policy.evaluate(contexts, actions).logprobs, atol=1e-3)
+    with pytest.raises(ValueError, match="lora"):
+        plain.base_logprobs(contexts, actions)
+    with pytest.raises(ConfigError, match="kl_to_base"):
+        validate(tiny.config(learner={"kl_to_base": 0.1}))

@@ -20,7 +20,16 @@ from schemas.config import LearnerConfig
 
 #: what one gradient step reads out, in the order a data-parallel all-reduce carries them
 MINIBATCH_READINGS = ("clip_fraction", "approx_kl", "importance_weight_mean",
-                      "importance_weight_capped", "policy_loss", "value_loss", "entropy", "loss")
+                      "importance_weight_capped", "policy_loss", "value_loss", "entropy",
+                      "kl_to_base", "loss")
+
+
+def kl_to_base(logprobs: torch.Tensor, base: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-token KL(policy || base) estimate ``exp(r) - r - 1``, ``r = base - logprobs``:
+    non-negative, zero where the two agree, unbiased for tokens sampled from the policy
+    (Schulman's k3), summed over ``mask``; the caller divides by its token count."""
+    r = (base - logprobs) * mask
+    return ((torch.exp(r) - r - 1.0) * mask).sum()
 
 
 def index_slices(n: int, size: int) -> list[list[int]]:
@@ -43,6 +52,7 @@ class PpoEpochs:
             self.behaviour[i, : len(logprobs)] = torch.tensor(logprobs)
             self.token_mask[i, : len(logprobs)] = True
         self.proximal = self._proximal_logprobs(width)
+        self.base = self._base_logprobs(width) if settings.kl_to_base > 0 else None
         check_batch_finite({}, {"proximal_logprobs": self.proximal}, ids)
 
     def run(self) -> dict[str, float]:
@@ -90,6 +100,18 @@ class PpoEpochs:
                 proximal[rows, : out.logprobs.shape[1]] = out.logprobs.float()
         return self.dp.sum(proximal) if self.dp else proximal
 
+    def _base_logprobs(self, width: int) -> torch.Tensor:
+        """Log-probs [n, width] under the base model (adapters off), once per batch."""
+        prep = self.prep
+        base = torch.zeros(prep.n, width)
+        for rows in index_slices(prep.n, 1024):
+            rows = self.dp.owned(rows) if self.dp else rows
+            if rows:
+                out = self.policy.base_logprobs([prep.contexts[i] for i in rows],
+                                                [prep.actions[i] for i in rows])
+                base[rows, : out.shape[1]] = out.float()
+        return self.dp.sum(base) if self.dp else base
+
     def _minibatch_loss(self, rows: list[int], mb_rows: int, mb_tokens: int
                         ) -> dict[str, float]:
         """Back-propagate the loss of ``rows``, a share of a minibatch of ``mb_rows`` steps
@@ -111,13 +133,18 @@ class PpoEpochs:
                                  clip=settings.value_clip or None)
         entropy = (out.entropy * mask).sum() / (max(mb_tokens, 1) if dp
                                                 else mask.sum().clamp(min=1))
+        kl = torch.zeros(())
+        if self.base is not None:
+            kl = kl_to_base(out.logprobs, self.base[rows, :cols], mask) / (
+                max(mb_tokens, 1) if dp else mask.sum().clamp(min=1))
         loss = (token_share * policy_loss + settings.value_coef * row_share * critic_loss
-                - settings.entropy_coef * entropy)
+                - settings.entropy_coef * entropy + settings.kl_to_base * kl)
         if dp is None:  # a group checks the summed loss, on every rank alike
             check_loss_finite(loss, self.ids)
         loss.backward()
         readings = {key: token_share * val for key, val in policy_stats.items()}
         readings.update({"policy_loss": token_share * float(policy_loss.detach()),
                          "value_loss": row_share * float(critic_loss.detach()),
-                         "entropy": float(entropy.detach()), "loss": float(loss.detach())})
+                         "entropy": float(entropy.detach()), "kl_to_base": float(kl.detach()),
+                         "loss": float(loss.detach())})
         return {key: readings[key] for key in MINIBATCH_READINGS}  # the all-reduce's order

@@ -245,6 +245,17 @@ class HFPolicy(CausalLMPolicy):
                 "adapters were trained on")
         super().check_checkpoint(metadata, address)
 
+    def base_logprobs(self, contexts: list[list[int]], actions: list[list[int]]
+                      ) -> torch.Tensor:
+        """Log-probs [B, A] of ``actions`` under the base model: this policy with its LoRA
+        adapters disabled (peft's ``disable_adapter``), without grad."""
+        if self.lora is None:
+            raise ValueError("base_logprobs needs [policy.lora]: without adapters the base "
+                             "model is not in memory")
+        lm: Any = self._model.lm
+        with lm.disable_adapter(), torch.no_grad():
+            return self.evaluate(contexts, actions).logprobs
+
     def merged_lm(self) -> nn.Module:
         """The language model alone, adapters folded into the base weights (for export;
         the policy itself is left unusable for training afterwards with LoRA)."""

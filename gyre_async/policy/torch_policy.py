@@ -174,8 +174,21 @@ class CausalLMPolicy(Policy):
             allowed[list(tokenizer.special_ids)] = False
         allowed[tokenizer.eos_id] = True
         self.allowed = allowed
+        self.device = torch.device("cpu")  # where the model's weights are (see ``to``)
         self._generator = torch.Generator().manual_seed(seed)
         self._lock = threading.RLock()
+
+    def to(self, device: str | torch.device, dtype: torch.dtype | None = None
+           ) -> CausalLMPolicy:
+        """Move the model (and cast its weights to ``dtype``). Inputs are built on the CPU
+        and moved in; results come back to the CPU (what the learner and the bus use), and
+        sampling draws on the CPU with the policy's seeded generator, so a run's samples do
+        not depend on the device. Log-probs are taken in float32 whatever ``dtype`` is."""
+        with self._lock:
+            self.model.to(device=device, dtype=dtype)
+            self.device = torch.device(device)
+            self.allowed = self.allowed.to(self.device)
+        return self
 
     @property
     @abc.abstractmethod
@@ -216,10 +229,11 @@ class CausalLMPolicy(Policy):
             ids, mask = _left_pad(contexts, width, self.tokenizer.pad_id)
             ids = torch.cat([ids, torch.full((len(contexts), n_new), self.tokenizer.pad_id)], 1)
             mask = torch.cat([mask, torch.zeros((len(contexts), n_new), dtype=torch.bool)], 1)
+            ids, mask = ids.to(self.device), mask.to(self.device)
             tokens: list[list[int]] = [[] for _ in contexts]
             behaviour: list[list[float]] = [[] for _ in contexts]
             raw: list[list[float]] = [[] for _ in contexts]
-            live = torch.ones(len(contexts), dtype=torch.bool)
+            live = torch.ones(len(contexts), dtype=torch.bool, device=self.device)
             hidden, cache = self._forward(ids[:, :width], mask[:, :width])
             for j in range(n_new):
                 if j:  # one new column, attending to the cached ones
@@ -230,10 +244,11 @@ class CausalLMPolicy(Policy):
                 raw_logp = torch.log_softmax(logits, -1)
                 if params.greedy:
                     choice = raw_logp.argmax(-1)
-                    b_logp = torch.zeros(len(contexts))
+                    b_logp = torch.zeros(len(contexts), device=self.device)
                 else:
                     logp = _behaviour_logp(logits, params)
-                    choice = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(1)
+                    choice = torch.multinomial(logp.exp().cpu(), 1, generator=gen).squeeze(1)
+                    choice = choice.to(self.device)
                     b_logp = logp.gather(1, choice[:, None]).squeeze(1)
                 r_logp = raw_logp.gather(1, choice[:, None]).squeeze(1)
                 ids[:, width + j] = torch.where(live, choice, self.tokenizer.pad_id)
@@ -262,15 +277,15 @@ class CausalLMPolicy(Policy):
             act_ids[i, :len(a)] = torch.as_tensor(a, dtype=torch.long)
             act_mask[i, :len(a)] = True
         with self._lock:
-            hidden, _ = self._forward(torch.cat([ids, act_ids], 1),
-                                      torch.cat([mask, act_mask], 1))
-            values = self._value(hidden[:, width - 1])
-            logp = self._logp(self._logits(hidden[:, width - 1:width - 1 + n_act]))
+            hidden, _ = self._forward(torch.cat([ids, act_ids], 1).to(self.device),
+                                      torch.cat([mask, act_mask], 1).to(self.device))
+            values = self._value(hidden[:, width - 1]).float().cpu()
+            logp = self._logp(self._logits(hidden[:, width - 1:width - 1 + n_act])).cpu()
         # Padding slots gather <eos> (always allowed, so finite) and are then zeroed; the
         # entropy's 0 * -inf terms are written as 0 * 0 so no gradient becomes NaN.
         index = torch.where(act_mask, act_ids, self.tokenizer.eos_id)
         chosen = logp.gather(2, index[..., None]).squeeze(2)
-        entropy = -(logp.exp() * logp.masked_fill(~self.allowed, 0.0)).sum(-1)
+        entropy = -(logp.exp() * logp.masked_fill(~self.allowed.cpu(), 0.0)).sum(-1)
         m = act_mask.to(chosen.dtype)
         return EvalOutput(logprobs=chosen * m, entropy=entropy * m, values=values, mask=m)
 
@@ -283,15 +298,15 @@ class CausalLMPolicy(Policy):
         width = self._check(contexts, 0)
         with self._lock, torch.inference_mode():
             ids, mask = _left_pad(contexts, width, self.tokenizer.pad_id)
-            hidden, _ = self._forward(ids, mask)
-            return self._logp(self._logits(hidden[:, -1])).float().clone()
+            hidden, _ = self._forward(ids.to(self.device), mask.to(self.device))
+            return self._logp(self._logits(hidden[:, -1])).float().cpu().clone()
 
     def values(self, contexts: list[list[int]]) -> torch.Tensor:
         width = self._check(contexts, 0)
         with self._lock, torch.inference_mode():
             ids, mask = _left_pad(contexts, width, self.tokenizer.pad_id)
-            hidden, _ = self._forward(ids, mask)
-            return self._value(hidden[:, -1]).float().clone()
+            hidden, _ = self._forward(ids.to(self.device), mask.to(self.device))
+            return self._value(hidden[:, -1]).float().cpu().clone()
 
     def parameters(self) -> Iterator[nn.Parameter]:
         return self.model.parameters()

@@ -38,7 +38,9 @@ async def main():
         taken = []
         for i in range(steps if actions is None else len(actions)):
             if actions is None:
-                choices = sorted(env.admissible_actions()) or ["look"]
+                # not "focus on": in ScienceWorld it ends the episode unless it is right
+                choices = sorted(a for a in env.admissible_actions()
+                                 if not a.startswith("focus")) or ["look"]
                 action = rng.choice(choices)
             else:
                 action = actions[i]

@@ -275,3 +275,68 @@ def test_open_episodes_say_what_rebuilding_needs_or_why_it_cannot_be_done():
     assert (ending.step_index, ending.reason) == (3, "abandoned")
     assert ending.message.startswith("abandoned: the sampler restarted mid-episode (step 1")
     assert unfinished.steps == 2 + 3 + 2 + 1 + 2
+
+
+def test_macro_steps_are_replayed_at_the_level_they_were_logged(builder):
+    """A logged step that called a macro is replayed by calling the macro again (the
+    wrapper expands it as it did: a sequence, or a script reading the observations)."""
+    from gyre_async.envs.macros import MacroEnv
+    from gyre_async.envs.workshop_macros import workshop_macros
+
+    def env():
+        return MacroEnv(WorkshopEnv(n_orders=5, max_steps=80), workshop_macros(), 16)
+
+    actions = ["gather_axe", "smelt ore", "wait_furnace", "craft", "gather_lamp", "chop tree"]
+
+    async def play():
+        played = env()
+        assert played.rebuildable
+        first = await played.reset("workshop:2", 2)
+        logged, primitives = [], 0
+        for action in actions:
+            result = await played.step(action)
+            logged.append(LoggedStep(action, observation_hash(result.observation)))
+            primitives += len(result.info.get("primitives", ())) or 1
+        assert primitives > len(actions)  # the macros expanded into several env steps
+        return observation_hash(first), logged
+
+    reset_hash, logged = asyncio.run(play())
+    state = asyncio.run(rebuild_episode(env(), "workshop:2", 2, reset_hash, logged, builder,
+                                        step_timeout_s=5))
+    assert not isinstance(state, EnvFailure) and state.next_step == len(actions)
+
+
+class FrozenWorkshop(WorkshopEnv):
+    """The workshop, declared not rebuildable (as an env with hidden randomness would be)."""
+
+    rebuildable = False
+
+
+register_env("frozen-workshop", FrozenWorkshop)
+
+
+def test_an_env_that_cannot_be_rebuilt_keeps_the_visible_abandoned_ending(tiny):
+    from gyre_async.core.rollout import ActionBatcher
+    from gyre_async.core.sampler import SamplerCore, _Run
+
+    cfg = tiny.config(task={"env": "frozen-workshop"})
+    unfinished = UnfinishedTrajectories()
+    for i in range(3):
+        unfinished.fold(_step("sampler-x-0", i, task="frozen-workshop:5"))
+    [episode] = unfinished.open_episodes("frozen-workshop")
+    assert episode.unrebuildable == ""  # the log would do: the environment will not
+
+    async def go():
+        core = SamplerCore.from_config(cfg)
+        published = []
+        shared = _Run("sampler", published.append, asyncio.Event(),
+                      ActionBatcher(core.holder, None))
+        await core._resume(FrozenWorkshop(), shared, episode)
+        return core, published
+
+    core, published = asyncio.run(go())
+    [ending] = published
+    assert isinstance(ending, EnvError) and ending.reason == "abandoned"
+    assert (ending.trajectory_id, ending.step_index) == ("sampler-x-0", 3)
+    assert "'frozen-workshop' is not rebuildable" in ending.message
+    assert (core.abandoned_episodes, core.rebuilt_episodes) == (1, 0)

@@ -134,16 +134,15 @@ class UnfinishedTrajectories:
 
     def _episode(self, tid: str, trajectory: _Trajectory, env_name: str) -> OpenEpisode:
         next_step = self._last[tid] + 1
-        steps = tuple(trajectory.steps.get(i) for i in range(next_step))
+        steps = tuple(trajectory.steps[i] for i in range(next_step) if i in trajectory.steps)
         seed = seed_of_task(env_name, trajectory.task_id)
         why = ""
-        if None in steps:
-            missing = next(i for i, s in enumerate(steps) if s is None)
+        if len(steps) < next_step:
+            missing = next(i for i in range(next_step) if i not in trajectory.steps)
             why = f"step {missing} is not in the log"
         elif not trajectory.reset_hash or not all(s.observation_hash for s in steps):
             why = "the log has no observation hashes to check a rebuild against"
         elif seed is None:
             why = f"task {trajectory.task_id!r} is not one of environment {env_name!r}"
         return OpenEpisode(tid, trajectory.task_id, -1 if seed is None else seed,
-                           trajectory.reset_hash, tuple(s for s in steps if s is not None),
-                           next_step, why)
+                           trajectory.reset_hash, steps, next_step, why)

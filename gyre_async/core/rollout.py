@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from gyre_async import timing
@@ -197,7 +197,7 @@ class LoggedStep:
 
 
 async def rebuild_episode(env: Env, task_id: str, seed: int, reset_hash: str,
-                          logged: list[LoggedStep], builder: ContextBuilder, *,
+                          logged: Sequence[LoggedStep], builder: ContextBuilder, *,
                           step_timeout_s: float) -> EpisodeState | EnvFailure:
     """Reset a fresh ``env`` as the episode began and replay its logged actions (at the
     level they were logged: a macro's name goes to the macro wrapper, which expands it

@@ -40,7 +40,7 @@ import asyncio
 import statistics
 import uuid
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from gyre_async.compose import build_acting_policy, build_tokenizer
@@ -145,7 +145,7 @@ class SamplerCore:
             self.learner_consumed = max(self.learner_consumed, event.consumed_steps)
             self._version_seen.notify_all()
 
-    def resume(self, steps_emitted: int, open_episodes: list[OpenEpisode] = ()) -> None:
+    def resume(self, steps_emitted: int, open_episodes: Sequence[OpenEpisode] = ()) -> None:
         """Take over from an earlier incarnation of this sampler (same name): count the
         steps it published, so a restart goes on from its place under the gate instead of
         a fresh budget, and the episodes it left open, which the slots rebuild (or end as
@@ -249,7 +249,7 @@ class SamplerCore:
         loop = asyncio.get_running_loop()
         started = loop.time()
         state = await rebuild_episode(env, episode.task_id, episode.seed, episode.reset_hash,
-                                      list(episode.steps), self.builder,
+                                      episode.steps, self.builder,
                                       step_timeout_s=cfg.sampler.step_timeout_s)
         if isinstance(state, EnvFailure):
             if state.reason == "rebuild-mismatch":

@@ -6,9 +6,10 @@ emits:    trajectory-step (TrajectoryStep, EnvError)
 The environments, the batched policy and the staleness gate are
 :class:`gyre_async.core.sampler.SamplerCore`'s. This adapter hands it every policy version,
 runs it as the actor's ``produce`` loop, and publishes the events it makes in batches every
-``sampler.flush_interval_s``. On start it ends, visibly, the trajectories a previous
-incarnation (same actor name) left open, and resumes that incarnation's count of steps
-under the staleness gate.
+``sampler.flush_interval_s``. On start it folds what a previous incarnation (same actor
+name) published: its count of steps goes on under the staleness gate, and the episodes it
+left open are handed to the core, which rebuilds and continues them (or, for environments
+that cannot be rebuilt, ends them visibly; :mod:`gyre_async.core.resumption`).
 
 Many samplers per run (``gyre actor sampler --replica I/N``, or ``gyre launch --replicas
 sampler=N``): every replica must see every policy version, so each reads
@@ -23,7 +24,8 @@ import asyncio
 
 from gyre_async.audit.runlog import current_policy_version
 from gyre_async.bus.reading import read_events
-from gyre_async.core.sampler import SamplerCore, UnfinishedTrajectories
+from gyre_async.core.resumption import UnfinishedTrajectories
+from gyre_async.core.sampler import SamplerCore
 from gyre_async.runtime.actor import Actor, Emit
 from schemas import Event
 from schemas.config import Config
@@ -52,15 +54,16 @@ class Sampler(Actor):
         return self.core.holder
 
     async def on_start(self) -> None:
-        await self._abandon_unfinished()
+        await self._take_over_unfinished()
         latest = await current_policy_version(self.runner.bus, self.cfg.run.run_id)
         if latest is not None:
             await self.core.follow(latest)
 
-    async def _abandon_unfinished(self) -> None:
-        """An ``env-error`` for each trajectory of this sampler's name (in this run) left
-        open (see :class:`~gyre_async.core.sampler.UnfinishedTrajectories`): its ids start
-        with ``<name>-``, and its producer is the name (``sampler`` is also a prefix of
+    async def _take_over_unfinished(self) -> None:
+        """Fold this sampler's name's earlier steps (in this run) and hand the core their
+        count and the trajectories left open (see
+        :class:`~gyre_async.core.resumption.UnfinishedTrajectories`): its ids start with
+        ``<name>-``, and its producer is the name (``sampler`` is also a prefix of
         ``sampler-2``'s ids)."""
         if TRAJECTORY_STEP not in {t.name for t in await self.runner.bus.topics()}:
             return
@@ -71,9 +74,7 @@ class Sampler(Actor):
             if event.producer == name and event.run_id == run_id \
                     and event.key.startswith(f"{name}-"):
                 unfinished.fold(event)
-        self.core.resume(unfinished.steps)
-        errors = unfinished.abandoned(run_id, name)
-        await self.runner.emit([Emit(TRAJECTORY_STEP, error) for error in errors])
+        self.core.resume(unfinished.steps, unfinished.open_episodes(self.cfg.task.env))
 
     async def handle(self, event, record):
         match event:

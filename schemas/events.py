@@ -109,6 +109,12 @@ class TrajectoryStep(Event, tag="trajectory-step", frozen=True, kw_only=True):
     next_context_tokens: list[int] | None = None
     macro: str = ""  # the action was this macro-action (see gyre_async.envs.macros)
     primitives: list[PrimitiveStep] = []  # the env steps the macro expanded into (if macro)
+    #: Short sha256 of the observation that followed this step's action (``""`` in logs
+    #: written before it existed): a restarted sampler that rebuilds the episode by
+    #: replaying the logged actions checks every rebuilt observation against it.
+    observation_hash: str = ""
+    #: On step 0 only: the same hash of the observation ``reset`` returned.
+    reset_hash: str = ""
 
     def __post_init__(self) -> None:
         _non_negative("step_index", self.step_index)
@@ -140,6 +146,12 @@ class EnvError(Event, tag="env-error", frozen=True, kw_only=True):
     step_index: int
     kind: Literal["timeout", "exception", "oversized-observation"]
     message: str
+    #: Why the *sampler* ended the trajectory when the environment itself did not fail
+    #: (``""``: it did): ``"abandoned"`` (its sampler restarted and the episode cannot be
+    #: rebuilt), ``"rebuild-mismatch"`` (replaying the logged actions gave another
+    #: observation than the log's), ``"rebuild-failed"`` (the replay itself failed).
+    #: A field of its own, not a new ``kind``: readers built before it still decode it.
+    reason: str = ""
 
     def __post_init__(self) -> None:
         _non_negative("step_index", self.step_index)

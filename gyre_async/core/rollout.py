@@ -9,6 +9,10 @@ Shared by the sampler (training episodes, published step by step) and the evalua
 - :func:`run_episode` drives one episode: bounded context (milestone summary + recent turns
   + current observation), guarded env calls (a hung or failing env ends only its own
   episode, as truncated, reported in the summary's ``failure``), one callback per step.
+- :func:`rebuild_episode` brings a fresh environment to where a logged episode stood (its
+  actions replayed, every observation checked against the log's hash), and
+  :func:`play_episode` goes on from there: how a restarted sampler continues the episodes
+  its predecessor left open.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from gyre_async import timing
@@ -26,6 +30,7 @@ from gyre_async.envs.base import (
     StepResult,
     guarded_reset,
     guarded_step,
+    observation_hash,
 )
 from gyre_async.policy.base import Action, Policy, SamplingParams
 from gyre_async.policy.context import ContextBuilder
@@ -136,6 +141,7 @@ class StepRecord:
     result: StepResult
     next_context: list[int] | None
     latency_s: float
+    reset_hash: str = ""  # step 0 only: the hash of the observation reset returned
 
 
 @dataclass
@@ -154,6 +160,83 @@ def milestone_summary(names: list[str]) -> str:
     return f"done {len(names)} last {names[-1].split(':')[0]}"
 
 
+@dataclass
+class EpisodeState:
+    """What an episode carries from one step to the next: the current observation, the
+    recent turns and the milestones reached. Playing and rebuilding advance it with the same
+    :meth:`advance`, so a rebuilt episode's context is the one the original would have had."""
+
+    observation: str
+    history: deque[tuple[str, str]]
+    reached: list[str]
+    next_step: int = 0
+    reset_hash: str = ""
+
+    @classmethod
+    def first(cls, observation: str, builder: ContextBuilder) -> EpisodeState:
+        return cls(observation, deque(maxlen=max(builder.history_turns, 1)), [],
+                   reset_hash=observation_hash(observation))
+
+    def context(self, builder: ContextBuilder) -> list[int]:
+        turns = list(self.history)[-builder.history_turns:] if builder.history_turns else []
+        return builder.build(self.observation, turns, milestone_summary(self.reached))
+
+    def advance(self, action_text: str, result: StepResult) -> None:
+        self.history.append((self.observation, action_text))
+        self.reached.extend(m.name for m in result.milestones)
+        self.observation = result.observation
+        self.next_step += 1
+
+
+@dataclass(frozen=True)
+class LoggedStep:
+    """What the log says of one step an episode took: enough to replay and check it."""
+
+    action_text: str
+    observation_hash: str
+
+
+async def rebuild_episode(env: Env, task_id: str, seed: int, reset_hash: str,
+                          logged: Sequence[LoggedStep], builder: ContextBuilder, *,
+                          step_timeout_s: float) -> EpisodeState | EnvFailure:
+    """Reset a fresh ``env`` as the episode began and replay its logged actions (at the
+    level they were logged: a macro's name goes to the macro wrapper, which expands it
+    again), checking every observation against the log's hash.
+
+    The result is where the episode stood after its last logged step, ready for
+    :func:`play_episode`; a reset or step that fails, an observation that differs, or an
+    episode that ends before the log does come back as an :class:`EnvFailure` whose
+    message names the step (``reason``: ``rebuild-mismatch`` or ``rebuild-failed``).
+    """
+    first = await guarded_reset(env, task_id, seed, step_timeout_s)
+    if isinstance(first, EnvFailure):
+        return EnvFailure(first.kind, f"rebuild-failed at reset: {first.message}",
+                          reason="rebuild-failed")
+    state = EpisodeState.first(first, builder)
+    if state.reset_hash != reset_hash:
+        return _mismatch("at reset", reset_hash, state.reset_hash)
+    for index, step in enumerate(logged):
+        result = await guarded_step(env, step.action_text, step_timeout_s)
+        if isinstance(result, EnvFailure):
+            return EnvFailure(result.kind, f"rebuild-failed at step {index}: {result.message}",
+                              reason="rebuild-failed")
+        rebuilt = observation_hash(result.observation)
+        if rebuilt != step.observation_hash:
+            return _mismatch(f"at step {index}", step.observation_hash, rebuilt)
+        if result.over and index < len(logged) - 1:
+            return EnvFailure("exception", f"rebuild-mismatch at step {index}: the replayed "
+                              f"episode ended there, the log goes on to step {len(logged) - 1}",
+                              reason="rebuild-mismatch")
+        state.advance(step.action_text, result)
+    return state
+
+
+def _mismatch(where: str, logged: str, rebuilt: str) -> EnvFailure:
+    return EnvFailure("exception", f"rebuild-mismatch {where}: replaying the logged actions "
+                      f"gave an observation hashed {rebuilt}, the log has {logged}",
+                      reason="rebuild-mismatch")
+
+
 async def run_episode(
     env: Env,
     task_id: str,
@@ -165,21 +248,34 @@ async def run_episode(
     on_step: Callable[[StepRecord], Awaitable[None]] | None = None,
     before_step: Callable[[], Awaitable[None]] | None = None,
 ) -> EpisodeSummary:
-    loop = asyncio.get_running_loop()
-    summary = EpisodeSummary()
+    """One episode from its reset to its end (see :func:`play_episode`)."""
     first = await guarded_reset(env, task_id, seed, step_timeout_s)
     if isinstance(first, EnvFailure):
-        summary.failure = first
-        return summary
-    observation = first
-    history: deque[tuple[str, str]] = deque(maxlen=max(builder.history_turns, 1))
-    reached: list[str] = []
+        return EpisodeSummary(failure=first)
+    return await play_episode(env, EpisodeState.first(first, builder), act, builder,
+                              step_timeout_s=step_timeout_s, on_step=on_step,
+                              before_step=before_step)
 
-    def recent_turns() -> list[tuple[str, str]]:
-        return list(history)[-builder.history_turns:] if builder.history_turns else []
 
-    context = builder.build(observation, recent_turns(), milestone_summary(reached))
-    for step_index in range(env.max_steps + 1):
+async def play_episode(
+    env: Env,
+    state: EpisodeState,
+    act: Callable[[list[int]], Awaitable[Acted]],
+    builder: ContextBuilder,
+    *,
+    step_timeout_s: float,
+    on_step: Callable[[StepRecord], Awaitable[None]] | None = None,
+    before_step: Callable[[], Awaitable[None]] | None = None,
+) -> EpisodeSummary:
+    """Play an episode on from ``state`` (fresh from reset, or rebuilt) to its end.
+
+    Step indices go on from ``state.next_step``; ``summary.steps`` counts every step of
+    the episode, those before ``state`` too.
+    """
+    loop = asyncio.get_running_loop()
+    summary = EpisodeSummary(steps=state.next_step)
+    context = state.context(builder)
+    for step_index in range(state.next_step, env.max_steps + 1):
         if before_step is not None:
             await before_step()
         acted = await act(context)
@@ -191,19 +287,16 @@ async def run_episode(
             summary.failure = result
             summary.steps = step_index
             return summary
-        history.append((observation, acted.action.text))
-        reached.extend(m.name for m in result.milestones)
-        observation = result.observation
-        next_context = None
-        if not result.done:
-            next_context = builder.build(observation, recent_turns(), milestone_summary(reached))
+        state.advance(acted.action.text, result)
+        next_context = None if result.done else state.context(builder)
         if on_step is not None:
-            await on_step(StepRecord(step_index, context, acted, result, next_context, latency))
+            await on_step(StepRecord(step_index, context, acted, result, next_context, latency,
+                                     reset_hash=state.reset_hash if step_index == 0 else ""))
         summary.steps = step_index + 1
         summary.score = result.score
         if result.over or next_context is None:  # done is over: no context follows it
             summary.success = result.success
             break
         context = next_context
-    summary.milestones = tuple(reached)
+    summary.milestones = tuple(state.reached)
     return summary

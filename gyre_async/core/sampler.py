@@ -23,6 +23,12 @@ incarnation ``k`` counts up from a random start (per GRPO group), so its seeds r
 after ``10**7 // N`` groups. A slow or hung environment step ends only
 its own trajectory (an ``EnvError``; the segmenter closes the trajectory as truncated).
 
+A restarted sampler first takes up the episodes its predecessor left open
+(:mod:`gyre_async.core.resumption`): each slot rebuilds one (fresh environment, logged
+actions replayed, every observation checked against the log's hash) and plays it on under
+the current policy and the gate, as the same trajectory; an environment that is not
+``rebuildable`` gets the visible ``abandoned`` ending instead.
+
 No bus here: events go to the ``publish`` callback given to :meth:`SamplerCore.run`, and
 the learner's progress comes in through :meth:`SamplerCore.follow`. asyncio stays, because
 running environments concurrently is what this core does.
@@ -31,8 +37,10 @@ running environments concurrently is what this core does.
 from __future__ import annotations
 
 import asyncio
+import statistics
 import uuid
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from gyre_async.compose import build_acting_policy, build_tokenizer
@@ -41,9 +49,23 @@ from gyre_async.core.exploration import (
     make_holder,
     sampling_params_at,
 )
-from gyre_async.core.rollout import ActionBatcher, PolicyHolder, StepRecord, run_episode
+from gyre_async.core.resumption import (
+    OpenEpisode,
+    UnfinishedTrajectories,
+    task_id_of,
+)
+from gyre_async.core.rollout import (
+    ActionBatcher,
+    EpisodeState,
+    EpisodeSummary,
+    PolicyHolder,
+    StepRecord,
+    play_episode,
+    rebuild_episode,
+    run_episode,
+)
 from gyre_async.envs import make_env
-from gyre_async.envs.base import Env
+from gyre_async.envs.base import Env, EnvFailure, observation_hash
 from gyre_async.envs.macros import step_fields, with_macros
 from gyre_async.errors import ConfigError
 from gyre_async.policy.context import ContextBuilder
@@ -51,6 +73,12 @@ from gyre_async.rl.staleness import StalenessGate
 from schemas import Event, event_id
 from schemas.config import Config
 from schemas.events import EnvError, Milestone, PolicyVersion, TrajectoryStep
+
+__all__ = ["SEED_SPAN", "SamplerCore", "UnfinishedTrajectories", "step_event"]
+
+#: ``play(on_step, before_step)``: one episode played to its end (fresh, or rebuilt).
+Play = Callable[[Callable[[StepRecord], Awaitable[None]], Callable[[], Awaitable[None]]],
+                Awaitable[EpisodeSummary]]
 
 #: Training seeds lie in ``[train_seed_start, train_seed_start + SEED_SPAN)``.
 SEED_SPAN = 10**7
@@ -86,6 +114,12 @@ class SamplerCore:
         self.episodes = 0
         self.env_errors = 0
         self.paused_s = 0.0
+        self.rebuilt_episodes = 0
+        self.rebuild_mismatches = 0  # a replayed observation differed from the log
+        self.rebuild_failures = 0  # the replay itself failed (reset or step error)
+        self.abandoned_episodes = 0
+        self.rebuild_seconds: list[float] = []  # reset + replay, per rebuilt episode
+        self._open: deque[OpenEpisode] = deque()
         self.incarnation = uuid.uuid4().hex[:8]  # trajectory ids never repeat across restarts
         self._seed_span = SEED_SPAN // self.replicas
         self._seed_base = int(event_id(self.incarnation)[:8], 16) % self._seed_span
@@ -111,10 +145,13 @@ class SamplerCore:
             self.learner_consumed = max(self.learner_consumed, event.consumed_steps)
             self._version_seen.notify_all()
 
-    def resume(self, steps_emitted: int) -> None:
-        """Count the steps an earlier incarnation of this sampler (same name) published, so
-        a restart goes on from its place under the gate instead of a fresh budget."""
+    def resume(self, steps_emitted: int, open_episodes: Sequence[OpenEpisode] = ()) -> None:
+        """Take over from an earlier incarnation of this sampler (same name): count the
+        steps it published, so a restart goes on from its place under the gate instead of
+        a fresh budget, and the episodes it left open, which the slots rebuild (or end as
+        abandoned) before they start new ones."""
         self.steps_emitted = max(self.steps_emitted, steps_emitted)
+        self._open.extend(open_episodes)
 
     def seed_of(self, group: int) -> int:
         """The environment seed of GRPO group ``group`` (see the module docstring)."""
@@ -170,6 +207,9 @@ class SamplerCore:
 
         try:
             while not shared.stopping.is_set():
+                if self._open:
+                    await self._resume(env, shared, self._open.popleft())
+                    continue
                 if cfg.sampler.max_episodes and self.episodes >= cfg.sampler.max_episodes:
                     return
                 if cfg.run.mode == "sync":  # one episode per slot per version
@@ -187,18 +227,62 @@ class SamplerCore:
         group = n // cfg.sampler.group_size  # consecutive episodes share a task (GRPO group)
         seed = self.seed_of(group)
         tid = f"{shared.producer}-{self.incarnation}-{n}"
-        task_id = f"{cfg.task.env}:{seed}"
+        task_id = task_id_of(cfg.task.env, seed)
+
+        async def play(on_step: Callable[[StepRecord], Awaitable[None]],
+                       before_step: Callable[[], Awaitable[None]]) -> EpisodeSummary:
+            return await run_episode(env, task_id, seed, shared.batcher.act, self.builder,
+                                     step_timeout_s=cfg.sampler.step_timeout_s,
+                                     on_step=on_step, before_step=before_step)
+
+        await self._play(shared, tid, task_id, play)
+
+    async def _resume(self, env: Env, shared: _Run, episode: OpenEpisode) -> None:
+        """Rebuild an episode a predecessor left open and play it on (or end it visibly)."""
+        cfg = self.cfg
+        run_id, producer = cfg.run.run_id, shared.producer
+        if not env.rebuildable or episode.unrebuildable:
+            self.abandoned_episodes += 1
+            why = "" if env.rebuildable else f"environment {cfg.task.env!r} is not rebuildable"
+            shared.publish(episode.abandoned(run_id, producer, why))
+            return
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        state = await rebuild_episode(env, episode.task_id, episode.seed, episode.reset_hash,
+                                      episode.steps, self.builder,
+                                      step_timeout_s=cfg.sampler.step_timeout_s)
+        if isinstance(state, EnvFailure):
+            if state.reason == "rebuild-mismatch":
+                self.rebuild_mismatches += 1
+            else:
+                self.rebuild_failures += 1
+            shared.publish(episode.ending(run_id, producer, kind=state.kind,
+                                          message=state.message, reason=state.reason))
+            return
+        self.rebuilt_episodes += 1
+        self.rebuild_seconds.append(loop.time() - started)
+        rebuilt: EpisodeState = state
+
+        async def play(on_step: Callable[[StepRecord], Awaitable[None]],
+                       before_step: Callable[[], Awaitable[None]]) -> EpisodeSummary:
+            return await play_episode(env, rebuilt, shared.batcher.act, self.builder,
+                                      step_timeout_s=cfg.sampler.step_timeout_s,
+                                      on_step=on_step, before_step=before_step)
+
+        await self._play(shared, episode.trajectory_id, episode.task_id, play)
+
+    async def _play(self, shared: _Run, tid: str, task_id: str, play: Play) -> None:
+        """Play an episode (``play(on_step, before_step)``), publishing each step and, if
+        the environment failed, the ``env-error`` that ends the trajectory."""
+        cfg = self.cfg
 
         async def on_step(record: StepRecord) -> None:
             shared.publish(step_event(cfg.run.run_id, shared.producer, tid, task_id, record))
 
         shared.batcher.active += 1
         try:
-            summary = await run_episode(
-                env, task_id, seed, shared.batcher.act, self.builder,
-                step_timeout_s=cfg.sampler.step_timeout_s, on_step=on_step,
-                before_step=self._count if cfg.run.mode == "sync" else self._admit,
-            )
+            summary = await play(on_step,
+                                 self._count if cfg.run.mode == "sync" else self._admit)
         finally:
             shared.batcher.active -= 1
         if summary.failure is not None:
@@ -215,6 +299,12 @@ class SamplerCore:
                 "policy_version": float(self.holder.version),
                 "replica": float(self.replica),
                 "env_errors": float(self.env_errors), "paused_s": self.paused_s,
+                "rebuilt_episodes": float(self.rebuilt_episodes),
+                "rebuild_mismatches": float(self.rebuild_mismatches),
+                "rebuild_failures": float(self.rebuild_failures),
+                "abandoned_episodes": float(self.abandoned_episodes),
+                "rebuild_s_median": (statistics.median(self.rebuild_seconds)
+                                     if self.rebuild_seconds else 0.0),
                 **exploration_stats(self.holder)}
 
 
@@ -233,43 +323,7 @@ def step_event(run_id: str, producer: str, trajectory_id: str, task_id: str,
         milestones=[Milestone(name=m.name, proof=m.proof) for m in result.milestones],
         state_changed=result.state_changed, tool_latency_s=record.latency_s, done=result.done,
         truncated=result.truncated, success=result.success, score=result.score,
-        next_context_tokens=record.next_context, **step_fields(result),
+        next_context_tokens=record.next_context,
+        observation_hash=observation_hash(result.observation), reset_hash=record.reset_hash,
+        **step_fields(result),
     )
-
-
-class UnfinishedTrajectories:
-    """The trajectories a previous incarnation of a sampler left open, folded from its steps.
-
-    A sampler that died mid-episode can never finish those episodes; without an end their
-    open segments would pin the segmenter's commit floor forever. Each gets an ``EnvError``
-    (the segmenter closes it as truncated); nothing is lost or invented. Fold only the
-    events of one sampler (one actor name): with many samplers in a run, a restarted replica
-    ends its own open trajectories, never another replica's. ``steps`` counts what that
-    sampler published, each step once (redelivered copies too), for :meth:`SamplerCore.resume`.
-    """
-
-    def __init__(self) -> None:
-        self._last: dict[str, tuple[str, int]] = {}  # trajectory id -> (task id, last step)
-        self._ended: set[str] = set()
-
-    def fold(self, event: Event) -> None:
-        match event:
-            case TrajectoryStep():
-                _, last = self._last.get(event.trajectory_id, ("", -1))
-                self._last[event.trajectory_id] = (event.task_id, max(last, event.step_index))
-                if event.done or event.truncated:
-                    self._ended.add(event.trajectory_id)
-            case EnvError():
-                self._ended.add(event.trajectory_id)
-
-    @property
-    def steps(self) -> int:
-        """Steps published: steps are numbered from 0 without gaps in each trajectory."""
-        return sum(last + 1 for _, last in self._last.values())
-
-    def abandoned(self, run_id: str, producer: str) -> list[EnvError]:
-        return [EnvError(
-            event_id=event_id("env-error", run_id, tid), run_id=run_id, producer=producer,
-            key=tid, trajectory_id=tid, task_id=task_id, step_index=last_step + 1,
-            kind="exception", message="abandoned: the sampler restarted mid-episode",
-        ) for tid, (task_id, last_step) in self._last.items() if tid not in self._ended]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -61,6 +62,14 @@ class EnvFailure:
 
     kind: FailureKind
     message: str
+    reason: str = ""  # set when the sampler, not the env, ended it (see ``EnvError.reason``)
+
+
+def observation_hash(observation: str) -> str:
+    """A short sha256 of an observation's text, logged on every step so that a rebuilt
+    episode (the logged actions replayed into a fresh environment) can be checked against
+    what the original one saw, without storing observations on the bus."""
+    return hashlib.sha256(observation.encode()).hexdigest()[:16]
 
 
 class Env(abc.ABC):
@@ -73,6 +82,14 @@ class Env(abc.ABC):
 
     #: Episode step cap: the step that reaches it returns ``truncated=True``.
     max_steps: int
+
+    #: An episode can be rebuilt: ``reset(task_id, seed)`` followed by the same actions
+    #: gives the same observations, in a fresh instance in another process. A restarted
+    #: sampler then replays an episode its predecessor left open (checking every
+    #: observation against the hash in the log) and continues it; otherwise it ends the
+    #: episode as abandoned. Declare it only where a replay was checked: an environment
+    #: with hidden randomness (an unseeded RNG, wall-clock, a remote service) must not.
+    rebuildable: bool = False
 
     @abc.abstractmethod
     async def reset(self, task_id: str, seed: int) -> str:

@@ -159,6 +159,9 @@ class MacroEnv(Env):
         if not 1 <= max_primitive_steps <= MAX_PRIMITIVES_PER_STEP:
             raise ValueError(f"macros.max_primitive_steps must be in 1..{MAX_PRIMITIVES_PER_STEP}")
         self.inner = inner
+        # expansion is a function of the observations (scripts must be pure), so an
+        # episode can be rebuilt exactly when the inner environment's can
+        self.rebuildable = inner.rebuildable
         self.macros = {normalize(k): v for k, v in macros.items()}
         self._longest_first = sorted(self.macros, key=lambda n: -len(n.split()))
         self.max_primitive_steps = max_primitive_steps

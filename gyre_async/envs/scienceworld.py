@@ -53,6 +53,8 @@ def parse_goal_progress(text: str) -> dict[str, str]:
 
 class ScienceWorldEnv(TextGameEnv):
     vocab_from_valid_actions = False  # 1500 combinations at ~240 ms: use the word list
+    #: replay checked (tests/test_env_rebuild.py): the variation fixes the world
+    rebuildable = True
 
     def __init__(self, *, task: str = "grow-fruit", simplification: str = "easy",
                  max_steps: int = 100, **common):

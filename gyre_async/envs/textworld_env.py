@@ -73,6 +73,8 @@ class _GameSettings(TypedDict):
 
 class TextWorldEnv(TextGameEnv):
     splits = ("train", "valid", "test")
+    #: replay checked (tests/test_env_rebuild.py): a game file per seed, no hidden draws
+    rebuildable = True
 
     def __init__(self, *, recipe: int = 1, take: int = 1, go: int = 1, open: bool = False,
                  cook: bool = False, cut: bool = False, games: int = 8, max_steps: int = 50,

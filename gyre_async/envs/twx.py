@@ -18,6 +18,9 @@ from gyre_async.envs.text_games import TextGameEnv, Turn, register_text_game
 
 
 class TextWorldExpressEnv(TextGameEnv):
+    #: replay checked (tests/test_env_rebuild.py): games are generated from their seed
+    rebuildable = True
+
     def __init__(self, *, game: str = "cookingworld", params: str = "", max_steps: int = 50,
                  **common):
         super().__init__(max_steps=max_steps, **common)

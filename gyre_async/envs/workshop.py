@@ -172,6 +172,9 @@ def lower_bound_steps(config: WorkshopConfig, task_id: str, seed: int) -> int:
 class WorkshopEnv(Env):
     """The workshop as an :class:`Env`. Deterministic per ``(task_id, seed)``."""
 
+    #: every draw (orders, distractors, latency) comes from RNGs seeded by (task, seed)
+    rebuildable = True
+
     def __init__(self, config: WorkshopConfig | None = None, **overrides: object):
         base = config or WorkshopConfig()
         self.config = msgspec.structs.replace(base, **overrides) if overrides else base

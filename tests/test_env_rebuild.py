@@ -1,0 +1,109 @@
+"""Environments that declare ``rebuildable`` replay the same, in another process.
+
+A restarted sampler rebuilds an open episode by replaying its logged actions into a fresh
+environment in a *new process*; that is only sound if ``reset(task, seed)`` and the same
+actions give the same observations there. Each check plays an episode in one process
+(actions drawn at random from the admissible ones, seeded), replays its actions in a
+second process with another ``PYTHONHASHSEED``, and compares every observation's hash.
+The text-game adapters start real simulators (a JVM, a Z-machine), so their checks are in
+the slow tier.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gyre_async.envs import make_env
+
+ROOT = Path(__file__).resolve().parents[1]
+
+PLAYER = r"""
+import asyncio, json, random, sys
+from gyre_async.envs import make_env
+from gyre_async.envs.base import observation_hash
+
+name, config, task, seed, steps, actions = json.loads(sys.argv[1])
+
+async def main():
+    env = make_env(name, **config)
+    rng = random.Random(seed)
+    try:
+        hashes = [observation_hash(await env.reset(task, seed))]
+        taken = []
+        for i in range(steps if actions is None else len(actions)):
+            if actions is None:
+                # not "focus on": in ScienceWorld it ends the episode unless it is right
+                choices = sorted(a for a in env.admissible_actions()
+                                 if not a.startswith("focus")) or ["look"]
+                action = rng.choice(choices)
+            else:
+                action = actions[i]
+            result = await env.step(action)
+            taken.append(action)
+            hashes.append(observation_hash(result.observation))
+            if result.over:
+                break
+        print(json.dumps({"actions": taken, "hashes": hashes}))
+    finally:
+        await env.close()
+
+asyncio.run(main())
+"""
+
+
+def _play(name: str, config: dict, task: str, seed: int, steps: int,
+          actions: list[str] | None, hash_seed: str, cache: Path) -> dict:
+    env = dict(os.environ, PYTHONHASHSEED=hash_seed, GYRE_CACHE=str(cache),
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    out = subprocess.run([sys.executable, "-c", PLAYER,
+                          json.dumps([name, config, task, seed, steps, actions])],
+                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def replays_the_same(name: str, config: dict, task: str, seed: int, steps: int,
+                     cache: Path) -> tuple[bool, int]:
+    """(the replay's observations all match, steps played)."""
+    first = _play(name, config, task, seed, steps, None, "1", cache)
+    again = _play(name, config, task, seed, steps, first["actions"], "2", cache)
+    return first["hashes"] == again["hashes"], len(first["actions"])
+
+
+def test_the_workshop_replays_the_same_in_another_process(tmp_path):
+    config = {"n_orders": 8, "max_steps": 200, "latency_mean_s": 0.0}
+    assert make_env("workshop", **config).rebuildable
+    same, played = replays_the_same("workshop", config, "workshop:11", 11, 200, tmp_path)
+    assert same and played == 200
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, config, task", [
+    ("twx", {"game": "cookingworld", "params": "numLocations=3,numIngredients=2,"
+             "numDistractorItems=2,includeDoors=1", "admissible": "snap", "max_steps": 60},
+     "twx:cookingworld"),
+    ("scienceworld", {"task": "find-plant", "admissible": "snap", "max_steps": 40},
+     "scienceworld:find-plant"),
+    ("textworld", {"admissible": "snap", "max_steps": 40, "games": 2}, "textworld:1"),
+])
+def test_text_games_declared_rebuildable_replay_the_same(name, config, task, tmp_path):
+    pytest.importorskip({"twx": "textworld_express"}.get(name, name))
+    env = make_env(name, **config)
+    try:
+        declared = env.rebuildable
+    finally:
+        import asyncio
+
+        asyncio.run(env.close())
+    if not declared:
+        pytest.skip(f"{name} does not declare rebuildable")
+    for seed in (3, 4):
+        same, played = replays_the_same(name, config, task, seed, config["max_steps"],
+                                        tmp_path)
+        assert same and played >= 10, (seed, played)

@@ -245,6 +245,7 @@ class SamplerCore:
                 "policy_version": float(self.holder.version),
                 "replica": float(self.replica),
                 "env_errors": float(self.env_errors), "paused_s": self.paused_s,
+                "at_gate": float(self.at_gate),
                 **exploration_stats(self.holder)}
 
 

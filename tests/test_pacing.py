@@ -118,3 +118,64 @@ def test_stale_dropped_fraction_counts_env_steps_of_stale_drops_once():
     assert stale_dropped_fraction(dropped, segments, 1_000) == 0.057
     assert stale_dropped_fraction([], segments, 1_000) == 0.0
     assert stale_dropped_fraction(dropped, segments, 0) is None  # nothing sampled yet
+
+
+def test_the_sampler_actor_follows_drops_on_the_bus(tmp_path, tiny):
+    """Wiring: a ``segment-dropped`` on ``telemetry`` (this run's; another run's is ignored)
+    moves the sampler's gate, through the real embedded bus."""
+    from actors.sampler import Sampler
+    from gyre_async.bus import open_bus
+    from gyre_async.compose import build_policy, build_tokenizer, save_weights
+    from gyre_async.runtime.actor import ActorRunner
+    from gyre_async.storage.checkpoints import CheckpointStore
+    from schemas import encode
+    from schemas.events import PolicyVersion
+    from schemas.topics import ALL_TOPICS, POLICY_VERSION, TELEMETRY
+
+    cfg = tiny.config(run={"run_dir": str(tmp_path)})
+    ref = save_weights(CheckpointStore(str(tmp_path / "checkpoints")),
+                       build_policy(cfg, build_tokenizer(cfg)), 0)
+    v0 = PolicyVersion(event_id=event_id("pv", 0), run_id="tiny", producer="test",
+                       key="policy", version=0, checkpoint=ref.address,
+                       checkpoint_hash=ref.sha256, reason="init")
+
+    def drop(run_id: str, consumed: int) -> SegmentDropped:
+        return SegmentDropped(event_id=event_id("dropped", run_id), run_id=run_id,
+                              producer="learner", key="t", segment_id=f"{run_id}-s",
+                              reason="stale", staleness=3, steps=16, consumed_steps=consumed)
+
+    async def go() -> tuple[int, int, int]:
+        async with open_bus(f"sqlite:///{tmp_path}/events.db") as bus:
+            await bus.create_topics(ALL_TOPICS, 1)
+            await bus.publish(POLICY_VERSION, [(v0.key.encode(), encode(v0))])
+            sampler = Sampler(cfg)
+            runner = ActorRunner(sampler, bus, run_id="tiny", name="sampler", partitions=1,
+                                 heartbeat_s=30, stop_grace_s=0.2)
+            task = asyncio.create_task(runner.run())
+            core = sampler.core
+            for _ in range(600):  # no learner progress: every slot ends up at the gate
+                if core.at_gate == cfg.sampler.num_envs or task.done():
+                    break
+                await asyncio.sleep(0.1)
+            held = core.steps_emitted
+            other = drop("another-run", 10_000)
+            await bus.publish(TELEMETRY, [(other.key.encode(), encode(other))])
+            await asyncio.sleep(1.0)
+            ignored = core.learner_consumed
+            mine = drop("tiny", 300)
+            await bus.publish(TELEMETRY, [(mine.key.encode(), encode(mine))])
+            for _ in range(100):
+                if core.steps_emitted > held:
+                    break
+                await asyncio.sleep(0.1)
+            moved = core.steps_emitted
+            runner.stop()
+            await task
+        return held, ignored, moved
+
+    held, ignored, moved = asyncio.run(go())
+    # tiny: 8 slots, segments of 16, batches of 256, max_staleness 2: segments open below
+    # 0 + max(3 * 256 - 128, 256 + 128) = 640; the cap for open ones is 768 + 128 = 896
+    assert 640 <= held <= 896
+    assert ignored == 0  # another run's drop does not move this run's gate
+    assert moved > held  # consumed 300: segments open again below 300 + 640 = 940

@@ -1,6 +1,7 @@
 """Sampler: many environments, acting with the current policy, one event per step.
 
-consumes: policy-version (PolicyVersion)
+consumes: policy-version (PolicyVersion), telemetry (SegmentDropped: the learner's
+          consumed count, for the staleness gate)
 emits:    trajectory-step (TrajectoryStep, EnvError)
 
 The environments, the batched policy and the staleness gate are
@@ -29,13 +30,13 @@ from gyre_async.core.sampler import SamplerCore
 from gyre_async.runtime.actor import Actor, Emit
 from schemas import Event
 from schemas.config import Config
-from schemas.events import PolicyVersion
-from schemas.topics import POLICY_VERSION, TRAJECTORY_STEP
+from schemas.events import PolicyVersion, SegmentDropped
+from schemas.topics import POLICY_VERSION, TELEMETRY, TRAJECTORY_STEP
 
 
 class Sampler(Actor):
     role = "sampler"
-    consumes = (POLICY_VERSION,)
+    consumes = (POLICY_VERSION, TELEMETRY)
     emits = (TRAJECTORY_STEP,)
     group_per_name = True
 
@@ -80,6 +81,8 @@ class Sampler(Actor):
         match event:
             case PolicyVersion() if event.run_id == self.cfg.run.run_id:  # not another run's
                 await self.core.follow(event)                             # on a shared cluster
+            case SegmentDropped() if event.run_id == self.cfg.run.run_id:
+                await self.core.follow_drop(event)
         return []
 
     async def produce(self) -> None:

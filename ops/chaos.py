@@ -24,7 +24,9 @@ Kafka runs use Tansu: noida-db never expires a consumer-group member that died w
 leaving, so a SIGKILLed consumer would hold its group there forever.
 
 Last line, JSON: ``{"bench": "chaos", "kills": .., "lost": 0, "duplicated": 0, "corrupt": 0,
-"progress": ..}`` (progress: policy versions published after the last kill).
+"progress": .., "stale_dropped_fraction": ..}`` (progress: policy versions published after
+the last kill; stale_dropped_fraction: env steps of segments the learner dropped as too
+stale over env steps sampled, see ``gyre_async.audit.pacing``).
 Whole checkpoint files that a killed or stopped learner saved but never announced are
 counted (``unannounced_checkpoints``), not failed: readers follow ``policy-version``
 events, and the restarted learner re-trains that version from the same inputs. Exit status 0
@@ -188,13 +190,22 @@ class Chaos:
 
 
 async def audit(url: str, run_id: str, run_dir: Path, max_staleness: int):
+    """The invariants report, and the share of sampled env steps dropped as stale."""
     from gyre_async.audit.invariants import check_run, read_run
+    from gyre_async.audit.pacing import stale_dropped_fraction
     from gyre_async.bus import open_bus
+    from gyre_async.envs.macros import env_steps_of
+    from schemas.events import SegmentClosed, SegmentDropped, TrajectoryStep
+    from schemas.topics import SEGMENT_CLOSED, TELEMETRY, TRAJECTORY_STEP
 
     async with open_bus(url) as bus:
         run = await read_run(bus, run_id)
-    return check_run(run, segment_store=str(run_dir / "segments.zarr"),
-                     checkpoint_dir=str(run_dir / "checkpoints"), max_staleness=max_staleness)
+    report = check_run(run, segment_store=str(run_dir / "segments.zarr"),
+                       checkpoint_dir=str(run_dir / "checkpoints"), max_staleness=max_staleness)
+    sampled = sum(map(env_steps_of, run.events(TRAJECTORY_STEP, TrajectoryStep)))
+    stale = stale_dropped_fraction(run.events(TELEMETRY, SegmentDropped),
+                                   run.events(SEGMENT_CLOSED, SegmentClosed), sampled)
+    return report, stale
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -251,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         except (TimeoutError, RuntimeError) as exc:
             error = str(exc)
             info = {"launcher_exit": None, "restarts": {}, "at_last_kill": -1, "seconds": None}
-        report = asyncio.run(audit(url, run_id, run_dir, max_staleness))
+        report, stale_dropped = asyncio.run(audit(url, run_id, run_dir, max_staleness))
     finally:
         if broker is not None:
             broker.stop()
@@ -269,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         "versions": versions, "steps": report.counts.get("steps", 0),
         "segments": report.counts.get("segments", 0),
         "trained_segments": report.counts.get("trained", 0),
+        "stale_dropped_fraction": stale_dropped,  # stale-dropped env steps / sampled env steps
         "unannounced_segments": report.counts.get("unannounced_segments", 0),
         "unannounced_checkpoints": report.counts.get("unannounced_checkpoints", 0),
         "invisible_leftovers": report.counts.get("invisible_leftovers", 0),

@@ -347,6 +347,10 @@ class SegmentDropped(Event, tag="segment-dropped", frozen=True, kw_only=True):
     segment_id: str
     reason: str
     staleness: int
+    steps: int = 0  # the segment's length (0 in events before it existed)
+    #: the learner's count of steps trained on or dropped, this one included: the sampler's
+    #: staleness gate follows it at once (0 in events before it existed)
+    consumed_steps: int = 0
 
 
 class CriticReset(Event, tag="critic-reset", frozen=True, kw_only=True):

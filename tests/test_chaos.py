@@ -38,4 +38,5 @@ def test_chaos_short_embedded(tmp_path):
     assert result["kills_mid_segment_write"] == 1 and result["kills_mid_checkpoint"] == 1
     assert (result["lost"], result["duplicated"], result["corrupt"], result["order"]) == (0, 0, 0, 0)
     assert result["progress"] >= 1 and result["trained_segments"] > 0
+    assert 0.0 <= result["stale_dropped_fraction"] < 1.0  # reported (ops/chaos.py, pacing)
     assert result["restarts"] == {"sampler": 1, "segmenter": 1, "arbiter": 1, "learner": 1}

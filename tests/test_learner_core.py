@@ -140,7 +140,12 @@ def test_rollback_gives_a_fresh_optimizer_drops_the_buffer_and_refuses_older_sam
     assert core.buffer == [] and core.commit_floor() == {} and not core.batch_ready()
     assert core.rollbacks_applied == 1 and not core.follows(rollback_order(1))
     late = buffered[0]  # sampled by version 1, below the rollback floor (version 2)
-    assert core.add(late, (0, 99)) == Dropped(late, "rolled-back", 0)
+    dropped_late = core.add(late, (0, 99))
+    assert dropped_late == Dropped(late, "rolled-back", 0, dropped_late.consumed_steps)
+    # consumed: everything trained, the buffer dropped by the rollback, and this late one
+    assert dropped_late.consumed_steps == core.trained_steps + core.dropped_steps == (
+        core.trained_steps + sum(b.step_end - b.step_start for b in buffered)
+        + late.step_end - late.step_start)
     event = core.publish("rollback", REF, "learner", {})
     assert event.reason == "rollback" and event.learning_rate == pytest.approx(1e-4)
     assert event.metrics["keeper/rollbacks_applied"] == 1.0
@@ -153,11 +158,16 @@ def test_admission_refusals_are_counted(tmp_path):
     for core in (spent, running):
         for _ in range(5):  # now at version 5: version-0 samples are stale (max_staleness 2)
             core.publish("update", REF, "learner", {})
-    assert spent.add(scored[0], (0, 0)) == Dropped(scored[0], "budget-spent", 5)
-    assert running.add(scored[1], (0, 1)) == Dropped(scored[1], "stale", 5)
-    assert (spent.dropped, running.dropped) == (0, 1)  # only stale drops count there
     steps = scored[0].step_end - scored[0].step_start
+    # each refusal carries the learner's consumed count (0 trained + this drop's steps)
+    assert spent.add(scored[0], (0, 0)) == Dropped(scored[0], "budget-spent", 5, steps)
+    stale = running.add(scored[1], (0, 1))
+    assert stale == Dropped(scored[1], "stale", 5, steps)
+    assert (spent.dropped, running.dropped) == (0, 1)  # only stale drops count there
     assert spent.dropped_steps == running.dropped_steps == steps
+    # ... and so does its event: the sampler's staleness gate follows it at once
+    event = stale.event("learner")
+    assert (event.steps, event.consumed_steps) == (steps, steps)
     assert spent.buffer == running.buffer == []
 
 

@@ -50,6 +50,7 @@ def test_gyre_run_small_config_invariants(tmp_path):
         assert (run_dir / name).exists(), name
     assert summary["policy_versions"] >= 5
     assert summary["initial_success"] is not None and summary["final_success"] is not None
+    assert 0.0 <= summary["stale_dropped_fraction"] < 1.0  # stale drops / steps sampled
     counts = run_invariants(f"sqlite:///{run_dir}/events.db", run_dir, cfg.loop.max_staleness)
     assert counts["trained"] > 0
 

@@ -146,13 +146,16 @@ def test_a_sampler_stopped_at_the_staleness_gate_leaves_no_exception_unretrieved
                                  heartbeat_s=30, stop_grace_s=0.2)
             task = asyncio.create_task(runner.run())
             core = sampler.core
-            full = core.gate.capacity(0)  # no learner progress: the gate closes here
+
+            def every_slot_at_the_gate() -> bool:  # no learner progress: the gate closes
+                return core.at_gate == cfg.sampler.num_envs
+
             for _ in range(600):
-                if core.steps_emitted >= full or task.done():
+                if every_slot_at_the_gate() or task.done():
                     break
                 await asyncio.sleep(0.1)
-            gate_closed = core.steps_emitted >= full
-            await asyncio.sleep(0.3)  # every slot reaches the gate
+            gate_closed = every_slot_at_the_gate()
+            await asyncio.sleep(0.3)
             runner.stop()
             await task
             gc.collect()

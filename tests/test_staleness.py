@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from gyre_async.rl.staleness import StalenessGate
@@ -114,3 +116,148 @@ def test_shares_never_add_up_past_the_capacity():
 def test_rejects_zero_replicas():
     with pytest.raises(ValueError):
         StalenessGate(max_staleness=1, steps_per_version=1, replicas=0)
+
+
+# -- pacing: a segment opens only while it can reach the learner within the bound -------------
+
+def test_pacing_with_the_quickstart_numbers():
+    """ops/configs/quickstart.toml: max_staleness 2, batches of 1024, 32 slots, segments of
+    up to 32 steps, so H = 32 * 32 = 1024 steps can be emitted while one segment is open."""
+    gate = StalenessGate(max_staleness=2, steps_per_version=1024, in_flight=32 * 32)
+    # lead(v, s = v) = max((2 + 1 - 0) * 1024 - 1024, 1024 + 1024) = max(2048, 2048) = 2048
+    assert gate.lead(0, 0) == 2048
+    # learner at v0, nothing consumed: a segment may open at n = 0..2047, not at n = 2048.
+    assert gate.may_open_segment(2047, 0, 0, 0)
+    assert not gate.may_open_segment(2048, 0, 0, 0)
+    # Why 2047 is safe: before it reaches the learner, the learner adds at most the 2047
+    # steps emitted before it plus H = 1024 emitted while it is open: 3071 < 3 * 1024, so
+    # at most 3071 // 1024 = 2 versions pass: staleness 2, within the bound.
+    assert (2047 + 1024) // 1024 == 2
+    # A step of a segment already open only needs the cap: base + 3 * 1024 + 1024 = 4096.
+    assert gate.capacity(0) == 4096
+    assert gate.may_sample(2048, 0) and gate.may_sample(4095, 0) and not gate.may_sample(4096, 0)
+    # learner at v7, consumed 7,500 (trained + dropped; > 7 * 1024 = 7,168): base 7,500,
+    # segments open up to 7,500 + 2,048 = 9,548 (n = 9,547 yes, 9,548 no)
+    assert gate.open_share(7, 7_500, 7) == 9_548
+    assert gate.may_open_segment(9_547, 7, 7_500, 7)
+    assert not gate.may_open_segment(9_548, 7, 7_500, 7)
+    # a sampler still acting with v6 (one version spent already): (3 - 1) * 1024 - 1024 =
+    # 1024 is below the floor 1024 + 1024 = 2048, so the floor decides: 9,548 again (it
+    # keeps the learner fed; this segment may then be dropped, visibly)
+    assert gate.lead(7, 6) == 2048
+
+
+def test_pacing_with_the_chaos_numbers():
+    """ops/configs/tiny.toml (ops/chaos.py): max_staleness 2, batches of 256, 8 slots,
+    segments of up to 16 steps: H = 128."""
+    gate = StalenessGate(max_staleness=2, steps_per_version=256, in_flight=8 * 16)
+    # lead = max(3 * 256 - 128, 256 + 128) = max(640, 384) = 640
+    assert gate.lead(4, 4) == 640
+    # v4, consumed 1,100: base max(4 * 256, 1,100) = 1,100; opens up to 1,740 (n < 1,740)
+    assert gate.open_share(4, 1_100, 4) == 1_740
+    # the cap for open segments: 1,100 + 3 * 256 + 128 = 1,996
+    assert gate.share(4, 1_100) == 1_996
+    # one version behind: (3 - 1) * 256 - 128 = 384 = the floor 384
+    assert gate.lead(4, 3) == 384
+
+
+def test_the_floor_keeps_the_learner_fed():
+    """max_staleness 0 in async mode, batches of 256, H = 128: (0 + 1) * 256 - 128 = 128
+    would leave the learner short of a batch once every open segment closed; the floor
+    256 + 128 = 384 leaves at least a batch (and H to spare) in closed segments."""
+    gate = StalenessGate(max_staleness=0, steps_per_version=256, in_flight=128)
+    assert gate.lead(0, 0) == 384
+    assert gate.may_open_segment(383, 0, 0, 0) and not gate.may_open_segment(384, 0, 0, 0)
+
+
+def test_pacing_shares_between_replicas():
+    """2 samplers of 8 slots, segments of 16 (H = 128 each), batches of 256, max_staleness 2."""
+    gate = StalenessGate(max_staleness=2, steps_per_version=256, in_flight=128, replicas=2)
+    # lead = max(3 * 256 - 2 * 128, 256 + 2 * 128) = max(512, 512) = 512; each opens below
+    # 512 // 2 = 256
+    assert gate.lead(0, 0) == 512 and gate.open_share(0, 0, 0) == 256
+    # consumed 1,001: (1,001 + 512) // 2 = 756 (756.5 rounded down): both together stay
+    # at or below 1,512, the single-sampler bound
+    assert gate.open_share(3, 1_001, 3) == 756
+
+
+@pytest.mark.parametrize("max_staleness,batch,slots,seg", [
+    (0, 1, 1, 1), (2, 1024, 32, 32), (2, 256, 8, 16), (1, 100, 10, 20), (5, 64, 4, 8)])
+def test_segments_open_inside_the_cap(max_staleness, batch, slots, seg):
+    """An open segment never waits for the cap while new ones may still open."""
+    for replicas in (1, 3):
+        gate = StalenessGate(max_staleness, batch, slots * seg, replicas)
+        for v, c, s in [(0, 0, 0), (5, 4_000, 5), (5, 4_000, 5 - max_staleness)]:
+            assert gate.open_share(v, c, s) <= gate.share(v, c)
+
+
+def simulate(gate: StalenessGate, *, slots: int, segment_steps: int, lag_ticks: int,
+             train_ticks: int, ticks: int, paced: bool = True, seed: int = 0) -> dict:
+    """The loop in lockstep ticks, slow and plain: each tick every slot takes one step if
+    the gate admits it (a step that opens a segment under ``may_open_segment`` when
+    ``paced``, else every step under ``may_sample`` alone, the rule before pacing);
+    segments close at ``segment_steps`` or at the episode's end (20..60 steps) and reach
+    the learner ``lag_ticks`` later (segmenter + arbiter); the learner refuses a segment
+    whose first step is more than max_staleness versions old, and an update of a batch
+    of >= steps_per_version steps takes ``train_ticks`` (arrivals wait meanwhile). The
+    sampler sees the learner's version and consumed count at once."""
+    rng = random.Random(seed)
+    n = version = consumed = 0
+    open_len = [0] * slots  # steps in each slot's open segment
+    first = [0] * slots  # version of its first step
+    left = [rng.randint(20, 60) for _ in range(slots)]  # steps left in each episode
+    arriving: list[tuple[int, int, int]] = []  # (tick, steps, first version)
+    buffered = batch = dropped = 0
+    busy_until = -1
+    for t in range(ticks):
+        for i in range(slots):
+            opens = open_len[i] == 0
+            if opens and paced:
+                admitted = gate.may_open_segment(n, version, consumed, version)
+            else:
+                admitted = gate.may_sample(n, version, consumed)
+            if not admitted:
+                continue
+            n += 1
+            if opens:
+                first[i] = version
+            open_len[i] += 1
+            left[i] -= 1
+            if open_len[i] == segment_steps or left[i] == 0:
+                arriving.append((t + lag_ticks, open_len[i], first[i]))
+                open_len[i] = 0
+                left[i] = left[i] or rng.randint(20, 60)
+        if busy_until == t:
+            version, consumed, busy_until = version + 1, consumed + batch, -1
+        while busy_until < 0 and arriving and arriving[0][0] <= t:
+            _, steps, made_by = arriving.pop(0)
+            if gate.is_stale(made_by, version):
+                dropped += steps
+                consumed += steps
+            else:
+                buffered += steps
+                if buffered >= gate.steps_per_version:
+                    batch, buffered, busy_until = buffered, 0, t + train_ticks
+    return {"versions": version, "dropped": dropped, "sampled": n}
+
+
+@pytest.mark.parametrize("lag_ticks", [0, 5, 20])
+@pytest.mark.parametrize("train_ticks", [5, 40, 80])
+def test_paced_segments_arrive_within_the_bound_without_slowing_the_learner(lag_ticks,
+                                                                            train_ticks):
+    """The chaos numbers (8 slots, segments of 16, batches of 256, max_staleness 2) with a
+    learner as fast as the sampler (5 ticks per update of ~256 steps, 8 steps a tick) and
+    slower (40, 80 ticks: the gate binds). Paced: nothing is dropped and the learner makes
+    as many versions as without pacing (within one), so the work that used to be dropped
+    was never needed. Unpaced, a slow learner drops a sixth of the work (checked below, so
+    this test can tell the two rules apart)."""
+    gate = StalenessGate(max_staleness=2, steps_per_version=256, in_flight=8 * 16)
+    setting = dict(slots=8, segment_steps=16, lag_ticks=lag_ticks, train_ticks=train_ticks,
+                   ticks=4000)
+    paced = simulate(gate, **setting)
+    unpaced = simulate(gate, **setting, paced=False)
+    assert paced["dropped"] == 0
+    assert paced["versions"] >= unpaced["versions"] - 1
+    if train_ticks >= 40:  # the learner is the bottleneck: without pacing, work is wasted
+        assert unpaced["dropped"] > 0.1 * unpaced["sampled"]
+        assert paced["sampled"] < unpaced["sampled"]

@@ -71,13 +71,15 @@ class Dropped:
     scored: Scored
     reason: str
     staleness: int  # versions between the learner and the segment's oldest step
+    consumed_steps: int = 0  # the learner's trained + dropped steps, this drop included
 
     def event(self, producer: str) -> SegmentDropped:
         scored = self.scored
         return SegmentDropped(
             event_id=event_id("dropped", scored.segment_id), run_id=scored.run_id,
             producer=producer, key=scored.trajectory_id, segment_id=scored.segment_id,
-            reason=self.reason, staleness=self.staleness)
+            reason=self.reason, staleness=self.staleness,
+            steps=scored.step_end - scored.step_start, consumed_steps=self.consumed_steps)
 
 
 @dataclass(frozen=True)
@@ -219,7 +221,8 @@ class LearnerCore:
         if reason == "stale":
             self.dropped += 1
         self.dropped_steps += scored.step_end - scored.step_start
-        return Dropped(scored, reason, self.version - scored.min_policy_version)
+        return Dropped(scored, reason, self.version - scored.min_policy_version,
+                       self.trained_steps + self.dropped_steps)
 
     # -- the update ----------------------------------------------------------------------
     def batch_ready(self) -> bool:

@@ -5,9 +5,13 @@ Each environment slot runs episodes back to back; all slots share one batched po
 stamped with the policy version that chose the action. Bounded staleness (see
 ``gyre_async.rl.staleness``):
 
-- a step is admitted only while steps_emitted < (learner_version + max_staleness + 1) *
-  steps_per_version (the learner's pace throttles sampling; the exact rule, and each
-  replica's share of it when several samplers run, is ``StalenessGate.may_sample``);
+- the learner's consumption paces sampling: a step that *opens* a segment is admitted only
+  while that segment can reach the learner within the bound (``StalenessGate.
+  may_open_segment``; :class:`~gyre_async.core.pacing.SegmentCursor` tells where segments
+  open), a step of an open segment under the looser cap (``StalenessGate.may_sample``),
+  each replica within its share when several samplers run. The learner's consumed count
+  comes with every ``policy-version`` and every ``segment-dropped`` (:meth:`SamplerCore.
+  follow_drop`), so dropped work reopens the gate at once;
 - the sampler pauses while its loaded policy is more than max_staleness versions behind.
 
 In ``sync`` mode each version samples exactly one episode per slot, then waits for the next
@@ -49,6 +53,7 @@ from gyre_async.core.exploration import (
     make_holder,
     sampling_params_at,
 )
+from gyre_async.core.pacing import SegmentCursor
 from gyre_async.core.resumption import (
     OpenEpisode,
     UnfinishedTrajectories,
@@ -72,7 +77,7 @@ from gyre_async.policy.context import ContextBuilder
 from gyre_async.rl.staleness import StalenessGate
 from schemas import Event, event_id
 from schemas.config import Config
-from schemas.events import EnvError, Milestone, PolicyVersion, TrajectoryStep
+from schemas.events import EnvError, Milestone, PolicyVersion, SegmentDropped, TrajectoryStep
 
 __all__ = ["SEED_SPAN", "SamplerCore", "UnfinishedTrajectories", "step_event"]
 
@@ -120,6 +125,7 @@ class SamplerCore:
         self.abandoned_episodes = 0
         self.rebuild_seconds: list[float] = []  # reset + replay, per rebuilt episode
         self._open: deque[OpenEpisode] = deque()
+        self.at_gate = 0  # slots waiting at the staleness gate right now
         self.incarnation = uuid.uuid4().hex[:8]  # trajectory ids never repeat across restarts
         self._seed_span = SEED_SPAN // self.replicas
         self._seed_base = int(event_id(self.incarnation)[:8], 16) % self._seed_span
@@ -145,6 +151,14 @@ class SamplerCore:
             self.learner_consumed = max(self.learner_consumed, event.consumed_steps)
             self._version_seen.notify_all()
 
+    async def follow_drop(self, event: SegmentDropped) -> None:
+        """The learner dropped a segment: its consumed count (carried by the event) moves the
+        gate now, not at the next version (which a learner short of a batch never makes)."""
+        if event.consumed_steps > self.learner_consumed:
+            async with self._version_seen:
+                self.learner_consumed = max(self.learner_consumed, event.consumed_steps)
+                self._version_seen.notify_all()
+
     def resume(self, steps_emitted: int, open_episodes: Sequence[OpenEpisode] = ()) -> None:
         """Take over from an earlier incarnation of this sampler (same name): count the
         steps it published, so a restart goes on from its place under the gate instead of
@@ -158,17 +172,27 @@ class SamplerCore:
         k = (self._seed_base + group) % self._seed_span
         return self.cfg.task.train_seed_start + self.replicas * k + self.replica
 
-    async def _admit(self) -> None:
-        """Wait until the staleness gate admits one more step."""
+    def _admissible(self, opens_segment: bool) -> bool:
+        version, learner = self.holder.version, self.learner_version
+        if version < 0 or self.gate.sampler_must_pause(version, learner):
+            return False
+        if opens_segment:
+            return self.gate.may_open_segment(self.steps_emitted, learner,
+                                              self.learner_consumed, version)
+        return self.gate.may_sample(self.steps_emitted, learner, self.learner_consumed)
+
+    async def _admit(self, opens_segment: bool = True) -> None:
+        """Wait until the staleness gate admits one more step (``opens_segment``: the
+        first of a segment, paced so that the segment reaches the learner within the bound)."""
         loop = asyncio.get_running_loop()
         started = loop.time()
         async with self._version_seen:
-            await self._version_seen.wait_for(
-                lambda: self.holder.version >= 0
-                and self.gate.may_sample(self.steps_emitted, self.learner_version,
-                                         self.learner_consumed)
-                and not self.gate.sampler_must_pause(self.holder.version, self.learner_version)
-            )
+            if not self._admissible(opens_segment):
+                self.at_gate += 1
+                try:
+                    await self._version_seen.wait_for(lambda: self._admissible(opens_segment))
+                finally:
+                    self.at_gate -= 1
         self.steps_emitted += 1
         self.paused_s += loop.time() - started
 
@@ -276,13 +300,19 @@ class SamplerCore:
         the environment failed, the ``env-error`` that ends the trajectory."""
         cfg = self.cfg
 
+        segment = SegmentCursor(cfg.segmenter)  # where the segmenter will cut (pacing)
+
+        async def admit() -> None:
+            await self._admit(segment.opens_segment)
+
         async def on_step(record: StepRecord) -> None:
+            segment.after(record.result)
             shared.publish(step_event(cfg.run.run_id, shared.producer, tid, task_id, record))
 
         shared.batcher.active += 1
         try:
             summary = await play(on_step,
-                                 self._count if cfg.run.mode == "sync" else self._admit)
+                                 self._count if cfg.run.mode == "sync" else admit)
         finally:
             shared.batcher.active -= 1
         if summary.failure is not None:
@@ -305,6 +335,7 @@ class SamplerCore:
                 "abandoned_episodes": float(self.abandoned_episodes),
                 "rebuild_s_median": (statistics.median(self.rebuild_seconds)
                                      if self.rebuild_seconds else 0.0),
+                "at_gate": float(self.at_gate),
                 **exploration_stats(self.holder)}
 
 

@@ -26,6 +26,7 @@ import msgspec
 import structlog
 
 from gyre_async.audit.final_lag import final_lag, within_bound
+from gyre_async.audit.pacing import stale_dropped_fraction
 from gyre_async.audit.run_fold import RunFold
 from gyre_async.audit.runlog import (
     current_policy_version,
@@ -263,6 +264,9 @@ async def run_loop(cfg: Config, *, bus_override: str | None = None, progress: bo
     summary["run_dir"] = os.path.abspath(run_dir)
     summary["mode"] = cfg.run.mode
     summary["drain_seconds"] = round(drain_s, 2)
+    # stale-dropped env steps / sampled env steps: what the staleness gate's pacing avoids
+    summary["stale_dropped_fraction"] = stale_dropped_fraction(runlog.dropped, runlog.segments,
+                                                               runlog.steps)
     summary["final_lag"] = lags
     summary["final_lag_bound_steps"] = cfg.learner.batch_steps
     summary["final_lag_within_bound"] = within_bound(lags, cfg.learner.batch_steps)

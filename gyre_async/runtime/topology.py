@@ -6,8 +6,9 @@
 
 Edges (topic: producer -> consumers; what pushes back):
 - trajectory-step: sampler -> segmenter. Keyed by trajectory id (one trajectory, one
-  partition, in order). Backpressure: the sampler's staleness gate admits a step only while
-  steps_emitted < (learner_version + max_staleness + 1) * steps_per_version.
+  partition, in order). Backpressure: the sampler's staleness gate paces it by the
+  learner's consumed steps, opening a segment only while it can reach the learner within
+  max_staleness versions (gyre_async.rl.staleness).
 - segment-closed: segmenter -> arbiter. Arrays live in the Zarr segment store; the event
   carries the address and content hash.
 - scored: arbiter -> learner. The learner holds consumption (``ready``) while it trains, so
@@ -16,7 +17,8 @@ Edges (topic: producer -> consumers; what pushes back):
   more than max_staleness versions behind; the learner drops segments beyond that bound.
 - eval: evaluator -> monitor/keeper.
 - keeper: keeper -> learner (rollback orders; the learner publishes the rollback version).
-- telemetry: every actor -> monitor (heartbeats with lag).
+- telemetry: every actor -> monitor (heartbeats with lag); learner -> sampler too
+  (``segment-dropped`` carries the learner's consumed count: drops reopen the gate at once).
 - dead-letter: every actor -> operators (input it could not use, with the reason).
 """
 

@@ -1,0 +1,181 @@
+"""Pacing, don't dropping: the sampler's view of segment boundaries (it must agree with the
+segmenter's), the gate following the learner's drops at once, and the stale-dropped
+fraction reported by ``gyre run`` and ``ops/chaos.py``. The rule's numbers are worked out
+in ``test_staleness.py``."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from types import SimpleNamespace
+
+import pytest
+
+from gyre_async.audit.pacing import stale_dropped_fraction, stale_dropped_steps
+from gyre_async.core.pacing import SegmentCursor
+from gyre_async.core.sampler import SamplerCore
+from gyre_async.core.segmenter import SegmenterCore
+from gyre_async.envs.base import StepResult
+from schemas import event_id
+from schemas.config import SegmenterConfig
+from schemas.events import Milestone, SegmentClosed, SegmentDropped, TrajectoryStep
+
+MILESTONE = Milestone(name="m", proof="proof")
+
+
+def _result(done: bool, milestone: bool, changed: bool) -> StepResult:
+    return StepResult(observation="", feedback=0.0, done=done, truncated=False, success=done,
+                      score=0.0, milestones=(MILESTONE,) if milestone else (),
+                      state_changed=changed)
+
+
+@pytest.mark.parametrize("close_on_milestone", [True, False])
+@pytest.mark.parametrize("close_on_state_change", [True, False])
+def test_the_sampler_sees_segments_open_where_the_segmenter_opens_them(
+        close_on_milestone, close_on_state_change):
+    config = SegmenterConfig(max_segment_steps=5, close_on_milestone=close_on_milestone,
+                             close_on_state_change=close_on_state_change)
+    rng = random.Random(7)
+    segmenter = SegmenterCore(config)
+    opened_by_segmenter: list[tuple[str, int]] = []
+    opened_by_sampler: list[tuple[str, int]] = []
+    for episode in range(30):
+        tid, cursor, length = f"t{episode}", SegmentCursor(config), rng.randint(1, 40)
+        for i in range(length):
+            if cursor.opens_segment:
+                opened_by_sampler.append((tid, i))
+            result = _result(done=i == length - 1, milestone=rng.random() < 0.15,
+                             changed=rng.random() < 0.2)
+            cursor.after(result)
+            step = TrajectoryStep(
+                event_id=event_id("s", tid, i), run_id="t", producer="sampler", key=tid,
+                trajectory_id=tid, task_id="task", step_index=i, policy_version=0,
+                context_tokens=[1], action_tokens=[2], action_logprobs=[-0.1],
+                done=result.done, success=result.success,
+                milestones=list(result.milestones), state_changed=result.state_changed)
+            for closed in segmenter.add(step, (0, i)):
+                opened_by_segmenter.append((closed.trajectory_id, closed.steps[0].step_index))
+    assert sorted(opened_by_sampler) == sorted(opened_by_segmenter)
+    assert len(opened_by_segmenter) > 30  # segments inside episodes, not just one each
+
+
+def _dropped(segment: str, reason: str = "stale", steps: int = 0, consumed: int = 0,
+             copy: int = 0) -> SegmentDropped:
+    return SegmentDropped(event_id=event_id("dropped", segment, copy), run_id="r",
+                          producer="learner", segment_id=segment, reason=reason, staleness=3,
+                          steps=steps, consumed_steps=consumed)
+
+
+def test_a_drop_reopens_the_gate_at_once():
+    """Quickstart-sized gate (max_staleness 2, batches 1024, H = 32 * 32): a slot waiting to
+    open a segment is let through as soon as a drop announces the learner's consumed count,
+    not at the next version (which a learner short of a batch would never publish)."""
+    cfg = SimpleNamespace(
+        run=SimpleNamespace(mode="async"), loop=SimpleNamespace(max_staleness=2),
+        learner=SimpleNamespace(batch_steps=1024),
+        sampler=SimpleNamespace(replicas=1, replica=0, num_envs=32),
+        segmenter=SimpleNamespace(max_segment_steps=32))
+    core = SamplerCore(cfg, SimpleNamespace(version=5), builder=None)
+    core.learner_version, core.learner_consumed = 5, 5_200
+    # opens below base + lead = max(5 * 1024, 5,200) + 2,048 = 7,248; the cap is 9,296
+    core.steps_emitted = 7_248
+
+    async def go() -> None:
+        await core._admit(opens_segment=False)  # a step of an open segment: under the cap
+        assert core.steps_emitted == 7_249
+        waiting = asyncio.create_task(core._admit(opens_segment=True))
+        await asyncio.sleep(0.01)
+        assert not waiting.done() and core.at_gate == 1
+        await core.follow_drop(_dropped("s1", consumed=5_190))  # older news: nothing moves
+        await asyncio.sleep(0.01)
+        assert not waiting.done() and core.learner_consumed == 5_200
+        # 24 steps dropped: consumed 5,224 -> opens below 7,272: 7,249 may open
+        await core.follow_drop(_dropped("s2", steps=24, consumed=5_224))
+        await asyncio.wait_for(waiting, 1.0)
+        assert core.steps_emitted == 7_250 and core.at_gate == 0
+
+    asyncio.run(go())
+
+
+def _closed(segment: str, start: int, end: int, env_steps: int = 0) -> SegmentClosed:
+    return SegmentClosed(event_id=event_id("closed", segment), run_id="r", producer="segmenter",
+                         segment_id=segment, trajectory_id="t", task_id="task",
+                         step_start=start, step_end=end, boundary="max-length", address="a",
+                         content_hash="h", min_policy_version=0, max_policy_version=0,
+                         env_steps=env_steps)
+
+
+def test_stale_dropped_fraction_counts_env_steps_of_stale_drops_once():
+    segments = [_closed("a", 0, 32), _closed("b", 32, 40, env_steps=20), _closed("c", 0, 16)]
+    dropped = [
+        _dropped("a"), _dropped("a", copy=1),   # redelivered: counted once -> 32 steps
+        _dropped("b"),                          # a macro segment: 20 primitive env steps
+        _dropped("c", reason="rolled-back"),    # not a staleness drop: not counted
+        _dropped("x", steps=5),                 # its segment-closed unread: its own length
+    ]
+    # 32 + 20 + 5 = 57 of 1,000 sampled env steps
+    assert stale_dropped_steps(dropped, segments) == 57
+    assert stale_dropped_fraction(dropped, segments, 1_000) == 0.057
+    assert stale_dropped_fraction([], segments, 1_000) == 0.0
+    assert stale_dropped_fraction(dropped, segments, 0) is None  # nothing sampled yet
+
+
+def test_the_sampler_actor_follows_drops_on_the_bus(tmp_path, tiny):
+    """Wiring: a ``segment-dropped`` on ``telemetry`` (this run's; another run's is ignored)
+    moves the sampler's gate, through the real embedded bus."""
+    from actors.sampler import Sampler
+    from gyre_async.bus import open_bus
+    from gyre_async.compose import build_policy, build_tokenizer, save_weights
+    from gyre_async.runtime.actor import ActorRunner
+    from gyre_async.storage.checkpoints import CheckpointStore
+    from schemas import encode
+    from schemas.events import PolicyVersion
+    from schemas.topics import ALL_TOPICS, POLICY_VERSION, TELEMETRY
+
+    cfg = tiny.config(run={"run_dir": str(tmp_path)})
+    ref = save_weights(CheckpointStore(str(tmp_path / "checkpoints")),
+                       build_policy(cfg, build_tokenizer(cfg)), 0)
+    v0 = PolicyVersion(event_id=event_id("pv", 0), run_id="tiny", producer="test",
+                       key="policy", version=0, checkpoint=ref.address,
+                       checkpoint_hash=ref.sha256, reason="init")
+
+    def drop(run_id: str, consumed: int) -> SegmentDropped:
+        return SegmentDropped(event_id=event_id("dropped", run_id), run_id=run_id,
+                              producer="learner", key="t", segment_id=f"{run_id}-s",
+                              reason="stale", staleness=3, steps=16, consumed_steps=consumed)
+
+    async def go() -> tuple[int, int, int]:
+        async with open_bus(f"sqlite:///{tmp_path}/events.db") as bus:
+            await bus.create_topics(ALL_TOPICS, 1)
+            await bus.publish(POLICY_VERSION, [(v0.key.encode(), encode(v0))])
+            sampler = Sampler(cfg)
+            runner = ActorRunner(sampler, bus, run_id="tiny", name="sampler", partitions=1,
+                                 heartbeat_s=30, stop_grace_s=0.2)
+            task = asyncio.create_task(runner.run())
+            core = sampler.core
+            for _ in range(600):  # no learner progress: every slot ends up at the gate
+                if core.at_gate == cfg.sampler.num_envs or task.done():
+                    break
+                await asyncio.sleep(0.1)
+            held = core.steps_emitted
+            other = drop("another-run", 10_000)
+            await bus.publish(TELEMETRY, [(other.key.encode(), encode(other))])
+            await asyncio.sleep(1.0)
+            ignored = core.learner_consumed
+            mine = drop("tiny", 300)
+            await bus.publish(TELEMETRY, [(mine.key.encode(), encode(mine))])
+            for _ in range(100):
+                if core.steps_emitted > held:
+                    break
+                await asyncio.sleep(0.1)
+            moved = core.steps_emitted
+            runner.stop()
+            await task
+        return held, ignored, moved
+
+    held, ignored, moved = asyncio.run(go())
+    # tiny: 8 slots, segments of 16, batches of 256, max_staleness 2: segments open below
+    # 0 + max(3 * 256 - 128, 256 + 128) = 640; the cap for open ones is 768 + 128 = 896
+    assert 640 <= held <= 896
+    assert ignored == 0  # another run's drop does not move this run's gate
+    assert moved > held  # consumed 300: segments open again below 300 + 640 = 940

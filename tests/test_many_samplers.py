@@ -77,6 +77,17 @@ async def run_loop_with_replicas(url: str, cfg, versions: int, timeout_s: float)
                 raise AssertionError(f"no version {versions} in {timeout_s:.0f} s: "
                                      f"{[s.core.stats() for s in samplers]}")
         finally:
+            # the learner first: a version it publishes while the samplers stop would be
+            # left unread; then the samplers read what it published
+            learner = runners[-1]
+            learner.stop()
+            await asyncio.gather(tasks[-1], return_exceptions=True)
+            for _ in range(200):
+                end = await _end(bus)
+                if all(sum(o for (t, _), o in r.position.items() if t == POLICY_VERSION) >= end
+                       for r in runners[:REPLICAS]):
+                    break
+                await asyncio.sleep(0.05)
             for r in runners:
                 r.stop()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -87,6 +98,12 @@ async def run_loop_with_replicas(url: str, cfg, versions: int, timeout_s: float)
         follows = {f"sampler-{i}": await bus.lag(f"{cfg.run.run_id}.sampler-{i}",
                                                  [POLICY_VERSION]) for i in range(REPLICAS)}
     return samplers, published, run, worst, at_share, follows
+
+
+async def _end(bus) -> int:
+    """The end offset of ``policy-version`` (one partition: one key)."""
+    ends = {t.name: t.end_offsets for t in await bus.topics()}[POLICY_VERSION]
+    return sum(ends.values())
 
 
 TANSU = pytest.param("tansu", marks=[pytest.mark.kafka, pytest.mark.slow])

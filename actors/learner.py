@@ -83,7 +83,8 @@ class Learner(Actor):
             await asyncio.to_thread(load_weights, self.policy, latest.checkpoint,
                                     latest.checkpoint_hash)
             self.core.restore(latest, await restore_outcome_book(
-                bus, self.cfg.sampler.group_size), await recently_trained(bus, self.cfg.run.run_id))
+                bus, self.cfg.sampler.group_size, self.cfg.learner.mask_failed),
+                await recently_trained(bus, self.cfg.run.run_id))
         await asyncio.to_thread(self.group.started, self.core, latest is not None)
 
     async def on_stop(self) -> None:

@@ -288,3 +288,32 @@ def test_arrays_of_a_failed_segment_keep_the_recorded_bootstrap():
     arrays = segment_arrays(closed)
     assert arrays["bootstrap_len"].tolist() == [2] and not arrays["terminal"][0]
     assert np.array_equal(arrays["bootstrap_context"][0, :2], [4, 4])
+
+
+# -- counted and shown ----------------------------------------------------------------------
+
+
+def test_failed_episodes_are_counted_by_kind_in_the_monitor_and_the_report(tmp_path):
+    from gyre_async.ui.monitor import MonitorState, render
+    from gyre_async.ui.report import ReportData, _health_html
+    from rich.console import Console
+
+    errors = [_error("timeout", "step took longer than 10s"),
+              _error("exception", "abandoned: the sampler restarted mid-episode"),
+              _error("exception", "step raised InjectedFault: injected fault at step 3"),
+              _error("oversized-observation", "step returned 20000 characters")]
+    errors = [msgspec.structs.replace(e, event_id=f"e{i}", trajectory_id=f"t{i}")
+              for i, e in enumerate(errors)]
+    state, report = MonitorState(), ReportData(str(tmp_path))
+    for error in errors:
+        state.apply(error)
+        report.apply(error)
+    state.apply(errors[0])  # a redelivered copy is not a second failure
+    assert state.counts.failed_episodes == 4
+    assert state.failure_kinds == {"env-error": 2, "timeout": 1, "abandoned": 1}
+    console = Console(width=160, record=True, file=open(tmp_path / "sink", "w"))
+    console.print(render(state))
+    text = console.export_text()
+    assert "failed episodes 4 (env-error 2, timeout 1, abandoned 1)" in text
+    page = _health_html(report)
+    assert "<td>4</td><td>env-error: 2, timeout: 1, abandoned: 1</td>" in page

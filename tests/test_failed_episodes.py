@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 
 import msgspec
 import numpy as np
 import pytest
 import torch
 from reference_advantages import slow_group_outcome_advantage, slow_segment_gae
+from rich.console import Console
 
 from gyre_async.core.learner_batch import BatchItem, prepare_batch
 from gyre_async.core.segmenter import SegmenterCore, segment_arrays, segment_closed
@@ -28,6 +30,8 @@ from gyre_async.envs.faults import FaultSchedule, FaultyEnv, InjectedFault, with
 from gyre_async.rewards.arbitration import Arbitration
 from gyre_async.rl.fusion import OutcomeBook
 from gyre_async.storage.segments import SegmentRef
+from gyre_async.ui.monitor import MonitorState, render
+from gyre_async.ui.report import ReportData, _health_html
 from schemas import event_id
 from schemas.config import ArbiterConfig, SegmenterConfig, TaskSection
 from schemas.events import EnvError, Scored, SegmentClosed, TrajectoryStep, failure_of
@@ -294,10 +298,6 @@ def test_arrays_of_a_failed_segment_keep_the_recorded_bootstrap():
 
 
 def test_failed_episodes_are_counted_by_kind_in_the_monitor_and_the_report(tmp_path):
-    from gyre_async.ui.monitor import MonitorState, render
-    from gyre_async.ui.report import ReportData, _health_html
-    from rich.console import Console
-
     errors = [_error("timeout", "step took longer than 10s"),
               _error("exception", "abandoned: the sampler restarted mid-episode"),
               _error("exception", "step raised InjectedFault: injected fault at step 3"),
@@ -311,8 +311,9 @@ def test_failed_episodes_are_counted_by_kind_in_the_monitor_and_the_report(tmp_p
     state.apply(errors[0])  # a redelivered copy is not a second failure
     assert state.counts.failed_episodes == 4
     assert state.failure_kinds == {"env-error": 2, "timeout": 1, "abandoned": 1}
-    console = Console(width=160, record=True, file=open(tmp_path / "sink", "w"))
-    console.print(render(state))
+    with open(os.devnull, "w") as sink:
+        console = Console(width=160, record=True, file=sink)
+        console.print(render(state))
     text = console.export_text()
     assert "failed episodes 4 (env-error 2, timeout 1, abandoned 1)" in text
     page = _health_html(report)

@@ -85,15 +85,16 @@ async def failures(run_dir: str) -> dict:
     return {"episodes": len(ended), "failed": kinds}
 
 
-def wall_for(args, runs_left: int) -> float:
-    """Seconds one run may take: --max-wall, or the time left to --finish-by shared."""
+def wall_for(args) -> float:
+    """Seconds the next run may take: --max-wall, capped by the time left to --finish-by
+    (less a minute for the final evaluation and the drain); 0: no time left."""
     if not args.finish_by:
         return args.max_wall
     hour, minute = (int(x) for x in args.finish_by.split(":"))
     now = datetime.datetime.now(datetime.UTC)
     end = now.replace(hour=hour, minute=minute, second=0, microsecond=0)
-    left = (end - now).total_seconds() - 30.0 * runs_left  # startup, final eval, drain
-    return max(60.0, min(args.max_wall, left / max(runs_left, 1)))
+    left = (end - now).total_seconds() - 60.0
+    return min(args.max_wall, left) if left > 120.0 else 0.0
 
 
 def ratio_of_medians(num: list[int | None], den: list[int | None], budget: int) -> float | None:
@@ -122,33 +123,45 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--group-size", type=int, default=4, help="episodes per task (GRPO group)")
     p.add_argument("--target", type=float, default=0.5, help="validation success to reach")
     p.add_argument("--max-wall", type=float, default=1800.0, help="safety stop per run (s)")
-    p.add_argument("--finish-by", default="", help="HH:MM UTC: share the time left per run")
+    p.add_argument("--finish-by", default="",
+                   help="HH:MM UTC: no run goes past it (runs not started by then are skipped)")
+    p.add_argument("--only-seeds", default="",
+                   help="comma-separated seeds to run (e.g. '2'): several processes can share "
+                        "one --out, then --summarize reports them together")
     p.add_argument("--reuse", action="store_true", help="keep runs already finished in --out")
+    p.add_argument("--summarize", action="store_true",
+                   help="run nothing: report the runs finished in --out")
     args = p.parse_args(argv)
     variants = [v for v in args.variants.split(",") if v]
     if set(variants) - set(VARIANTS):
         p.error(f"unknown variants; choose from {', '.join(VARIANTS)}")
     base = load_config(args.config)
     os.makedirs(args.out, exist_ok=True)
-    plan = [(seed, v) for seed in range(args.seeds) for v in variants]  # seeds outermost
+    seeds = [int(x) for x in args.only_seeds.split(",") if x] or list(range(args.seeds))
+    plan = [(seed, v) for seed in seeds for v in variants]  # seeds outermost
     per_seed: dict[str, list[int | None]] = {v: [] for v in variants}
     failed: dict[str, list[dict]] = {v: [] for v in variants}
-    for i, (seed, variant) in enumerate(plan):
+    steps_run: dict[str, list[int]] = {v: [] for v in variants}
+    for seed, variant in plan:
         run_dir = os.path.join(args.out, f"{variant}-s{seed}")
         started = time.monotonic()
-        if args.reuse and os.path.exists(os.path.join(run_dir, "summary.json")):
+        finished = os.path.exists(os.path.join(run_dir, "summary.json"))
+        if (args.reuse or args.summarize) and finished:
             with open(os.path.join(run_dir, "summary.json")) as f:
                 summary = json.load(f)
+        elif args.summarize or not wall_for(args):
+            continue  # not run (yet): left out, not counted as a failure to reach
         else:
             if os.path.exists(run_dir):
                 shutil.rmtree(run_dir)
-            cfg = configure(base, variant, seed, run_dir, args, wall_for(args, len(plan) - i))
+            cfg = configure(base, variant, seed, run_dir, args, wall_for(args))
             summary = asyncio.run(run_loop(cfg, progress=False))
         points = asyncio.run(curve(run_dir))
         seen = asyncio.run(failures(run_dir))
         reached = first_at(points, args.target)
         per_seed[variant].append(reached)
         failed[variant].append(seen)
+        steps_run[variant].append(summary["env_steps"])
         print(f"{variant:>10} seed {seed}: {summary['env_steps']} steps, "
               f"{summary['policy_versions']} versions, {time.monotonic() - started:.0f} s, "
               f"{seen['episodes']} episodes, failed {seen['failed']}, first >= "
@@ -169,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         "episodes_failed": {v: [sum(s["failed"].values()) for s in failed[v]]
                             for v in variants},
         "episodes": {v: [s["episodes"] for s in failed[v]] for v in variants},
+        "env_steps_run": steps_run,  # a null in steps_to_50: never reached within these
     }))
     return 0
 

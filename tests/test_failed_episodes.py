@@ -7,7 +7,9 @@
   when no next context was recorded), checked against the slow GAE loop;
 - the segmenter marks the failed segment with its kind, the arbiter pays it no outcome,
   old events without the field still decode;
-- the fault drill (``task.fail_episode_rate``) is deterministic per seed.
+- the fault drill (``task.fail_episode_rate``) is deterministic per seed;
+- failed episodes are counted by kind (monitor, report) and the replayed outcome book
+  (``gyre replay learner``, a learner's restart) masks them as the live one does.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 from reference_advantages import slow_group_outcome_advantage, slow_segment_gae
 from rich.console import Console
 
+from gyre_async.audit.credit_log import replay_outcome_book
 from gyre_async.core.learner_batch import BatchItem, prepare_batch
 from gyre_async.core.segmenter import SegmenterCore, segment_arrays, segment_closed
 from gyre_async.envs.base import Env, EnvFailure, StepResult, guarded_step
@@ -34,7 +37,14 @@ from gyre_async.ui.monitor import MonitorState, render
 from gyre_async.ui.report import ReportData, _health_html
 from schemas import event_id
 from schemas.config import ArbiterConfig, SegmenterConfig, TaskSection
-from schemas.events import EnvError, Scored, SegmentClosed, TrajectoryStep, failure_of
+from schemas.events import (
+    EnvError,
+    PolicyVersion,
+    Scored,
+    SegmentClosed,
+    TrajectoryStep,
+    failure_of,
+)
 
 # -- groups ---------------------------------------------------------------------------------
 
@@ -318,3 +328,22 @@ def test_failed_episodes_are_counted_by_kind_in_the_monitor_and_the_report(tmp_p
     assert "failed episodes 4 (env-error 2, timeout 1, abandoned 1)" in text
     page = _health_html(report)
     assert "<td>4</td><td>env-error: 2, timeout: 1, abandoned: 1</td>" in page
+
+
+def test_the_replayed_outcome_book_masks_the_same_failed_member_as_the_live_one():
+    def scored(traj: str, total: float, failure: str = "") -> Scored:
+        return Scored(
+            event_id=f"s-{traj}", run_id="r", producer="arbiter", key=traj,
+            segment_id=f"seg-{traj}", trajectory_id=traj, task_id="t", address="a",
+            content_hash="h", step_start=0, step_end=1, min_policy_version=0,
+            trajectory_done=True, success=False, components={}, step_rewards=[total],
+            total=total, decided_by="outcome", failure=failure)
+
+    log = {s.segment_id: s for s in [scored("a", 1.0), scored("b", 0.0), scored("f", 0.0,
+                                                                                "timeout")]}
+    update = PolicyVersion(event_id="v1", run_id="r", producer="learner", version=1,
+                           checkpoint="c", checkpoint_hash="h", trained_segments=list(log))
+    for mask, expected in [(True, [0.7071, -0.7071, math.nan]),
+                           (False, [1.1547, -0.5774, -0.5774])]:
+        ((_, adv),) = replay_outcome_book(OutcomeBook(3, mask), log, [update])
+        assert adv == pytest.approx(expected, abs=1e-4, nan_ok=True)

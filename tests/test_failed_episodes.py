@@ -163,6 +163,7 @@ def test_the_arbiter_pays_a_failed_episode_no_outcome_and_copies_the_mark():
     scored = arbitration.score(segment, set(), "arbiter").scored
     assert scored is not None and scored.failure == "env-error"
     assert scored.components["outcome"] == 0.0 and scored.step_rewards == [0.0, 0.0, 0.0]
+    assert scored.decided_by == "none"  # nothing was paid: no outcome decided it
     proper = msgspec.structs.replace(segment, failure="")
     paid = arbitration.score(proper, set(), "arbiter").scored
     assert paid is not None and paid.components["outcome"] == -1.0 and paid.failure == ""

@@ -175,7 +175,7 @@ def _decider(verdicts, seg: SegmentClosed, components: dict[str, float],
              shaping: dict[str, list[float]]) -> str:
     if verdicts:
         return "guard"
-    if seg.trajectory_done:
+    if seg.trajectory_done and not seg.failure:
         return "outcome"
     if components["milestone"]:
         return "milestone"

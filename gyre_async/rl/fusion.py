@@ -8,6 +8,8 @@ Two signals reach a segment:
 * **global**: the trajectory's outcome — its undiscounted arbitrated return — normalised
   within its group of trajectories on the same task (GRPO, :func:`group_outcome_advantage`).
   Unbiased, critic-free, but known only when the trajectory ends and constant over it.
+  An episode ended by a failure (env error, timeout, abandonment) has no outcome: it is
+  left out of its group and gets none (:class:`OutcomeBook`, ``learner.mask_failed``).
 
 Fusion, per segment ``i`` of a batch (``t`` runs over its real steps)::
 

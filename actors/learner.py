@@ -83,9 +83,9 @@ class Learner(Actor):
             await asyncio.to_thread(load_weights, self.policy, latest.checkpoint,
                                     latest.checkpoint_hash)
             run_id = self.cfg.run.run_id
-            self.core.restore(latest,
-                              await restore_outcome_book(bus, self.cfg.sampler.group_size, run_id),
-                              await recently_trained(bus, run_id))
+            book = await restore_outcome_book(bus, self.cfg.sampler.group_size, run_id,
+                                              self.cfg.learner.mask_failed)
+            self.core.restore(latest, book, await recently_trained(bus, run_id))
         await asyncio.to_thread(self.group.started, self.core, latest is not None)
 
     async def on_stop(self) -> None:

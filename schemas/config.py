@@ -57,6 +57,11 @@ class TaskSection(Strict):
     """Training episodes use seeds from here upward."""
     eval_seed_start: int = 1_000_000
     """Validation seeds (never used for training: unseen tasks)."""
+    fail_episode_rate: float = 0.0
+    """Fault drill (gyre_async.envs.faults): this share of training episodes crashes at a
+    uniformly random step with an env-error (validation and probes stay fault-free); 0: off."""
+    fail_within_steps: int = 0
+    """The crashing step is uniform in 0..N-1 (0: the environment's step cap)."""
 
 
 class LoraSection(Strict):
@@ -325,6 +330,11 @@ class LearnerConfig(Strict):
     ``tcp://host:29511`` or ``file:///shared/dir/rendezvous``); "": ``env://`` when
     ``MASTER_ADDR`` is set (torchrun), else tcp://127.0.0.1:29511 (one machine). A file://
     rendezvous must not exist yet when the group (re)starts."""
+    mask_failed: bool = True
+    """Episodes ended by a failure (env error, timeout, abandonment: no outcome) stay out
+    of their GRPO group's baseline and get no outcome advantage; their last segment
+    bootstraps from the critic (its own last context when no next context was recorded).
+    false: they count as zero-outcome group members, as before (for comparison)."""
 
 
 class MacroSection(Strict):

@@ -157,6 +157,21 @@ class EnvError(Event, tag="env-error", frozen=True, kw_only=True):
         _non_negative("step_index", self.step_index)
 
 
+#: How a failed episode ended (not a task outcome): "" in events, an episode that ended
+#: properly. Abandonment (the sampler died mid-episode) travels as an ``exception`` whose
+#: message starts with "abandoned" (the kind literal cannot grow: old readers would refuse it).
+EpisodeFailure = Literal["", "env-error", "timeout", "abandoned"]
+
+
+def failure_of(error: EnvError) -> EpisodeFailure:
+    """The failure kind an ``env-error`` ends its episode with (counted in monitor, report)."""
+    if error.kind == "timeout":
+        return "timeout"
+    if error.message.startswith("abandoned"):
+        return "abandoned"
+    return "env-error"
+
+
 BoundaryReason = Literal["milestone", "state-change", "max-length", "trajectory-end"]
 
 
@@ -180,6 +195,9 @@ class SegmentClosed(Event, tag="segment-closed", frozen=True, kw_only=True):
     feedback: list[float] = []  # per-step raw environment feedback
     actions: list[str] = []  # per-step action text (for guards; tokens live in the store)
     env_steps: int = 0  # primitive environment steps (macros expand); 0: one per step
+    #: set on the last segment of an episode ended by a failure (env error, timeout,
+    #: abandonment): the episode has no outcome, the learner bootstraps it instead
+    failure: EpisodeFailure = ""
 
     def __post_init__(self) -> None:
         _non_negative("step_start", self.step_start)
@@ -215,6 +233,7 @@ class Scored(Event, tag="scored", frozen=True, kw_only=True):
     paid_milestones: list[str] = []
     guard_reasons: list[str] = []  # why each guard that fired vetoed (empty: no veto)
     guard_state: dict[str, float] = {}  # the farming guard's trajectory state after this segment
+    failure: EpisodeFailure = ""  # copied from the segment: its episode ended by a failure
 
     def __post_init__(self) -> None:
         if len(self.step_rewards) != self.step_end - self.step_start:

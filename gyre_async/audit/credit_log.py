@@ -47,15 +47,17 @@ def replay_outcome_book(book: OutcomeBook, scored: dict[str, Scored],
                         updates: list[PolicyVersion]) -> Iterator[tuple[PolicyVersion, list[float]]]:
     """Feed ``book`` the log; yield each update with the global advantages it used."""
     for event in scored.values():
-        book.record(event.trajectory_id, event.segment_id, event.total)
+        book.record(event.trajectory_id, event.segment_id, event.total,
+                    failed=bool(event.failure))
     for update in updates:
         batch = [scored[sid] for sid in update.trained_segments if sid in scored]
         yield update, book.global_advantages(batch_keys(batch))
 
 
-async def restore_outcome_book(bus: Bus, group_size: int, run_id: str) -> OutcomeBook:
+async def restore_outcome_book(bus: Bus, group_size: int, run_id: str,
+                               mask_failed: bool = True) -> OutcomeBook:
     """The book as the learner of ``run_id`` left it after its last published update."""
-    book = OutcomeBook(group_size)
+    book = OutcomeBook(group_size, mask_failed)
     scored, updates = await read_credit_log(bus, on_bad="skip", run_id=run_id)
     for _ in replay_outcome_book(book, scored, updates):
         pass

@@ -176,7 +176,7 @@ async def replay_learner(recorded: Bus, cfg: Config) -> ReplayReport:
     store = SegmentStores()  # every segmenter's store, as the addresses name them
     policy = build_policy(cfg)
     settings = cfg.learner
-    book = OutcomeBook(cfg.sampler.group_size)
+    book = OutcomeBook(cfg.sampler.group_size, cfg.learner.mask_failed)
     for update, global_adv in replay_outcome_book(book, scored, all_updates):
         if not update.advantage_digest:
             continue
@@ -195,7 +195,7 @@ async def replay_learner(recorded: Bus, cfg: Config) -> ReplayReport:
         items = [BatchItem(s, a) for s, a in zip(segments, arrays)]
         prep = await asyncio.to_thread(prepare_batch, policy, items, settings.gamma,
                                        settings.lam, global_adv, settings.credit,
-                                       settings.fusion_max_weight)
+                                       settings.fusion_max_weight, settings.mask_failed)
         report.replayed_outputs += 1
         fields: dict[str, dict[str, Any]] = {}
         if prep.digest != update.advantage_digest:

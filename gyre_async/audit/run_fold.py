@@ -52,6 +52,7 @@ from schemas.events import (
     SegmentClosed,
     SegmentDropped,
     TrajectoryStep,
+    failure_of,
 )
 
 CURVE_POINTS = 240  #: points kept per curve (the monitor's sparklines show the tail)
@@ -121,6 +122,7 @@ class RunCounts:
     reward_failed: int = 0
     dropped: int = 0
     env_errors: int = 0
+    failed_episodes: int = 0  # episodes ended by a failure (each env-error ends one)
     dead_letters: int = 0
     updates: int = 0  # policy versions with reason "update"
 
@@ -171,6 +173,9 @@ class RunFold:
         self._step_ts: TimeOrdered[float] = TimeOrdered(float)
         self.step_seconds: collections.Counter[int] = collections.Counter()  # recent only
         self.env_error_kinds: collections.Counter[str] = collections.Counter()
+        #: failed episodes by how they ended (env-error, timeout, abandoned): no outcome,
+        #: kept out of group baselines by the learner (``learner.mask_failed``)
+        self.failure_kinds: collections.Counter[str] = collections.Counter()
         self._dead_letters: TimeOrdered[DeadLetter] = TimeOrdered(_ts)
         self.latest_dead: collections.deque[DeadLetter] = collections.deque(
             maxlen=LATEST_DEAD_LETTERS)
@@ -261,6 +266,8 @@ class RunFold:
             case EnvError():
                 self.counts.env_errors += 1
                 self.env_error_kinds[event.kind] += 1
+                self.counts.failed_episodes += 1
+                self.failure_kinds[failure_of(event)] += 1
             case RewardFailed():
                 self.counts.reward_failed += 1
             case CriticReset():

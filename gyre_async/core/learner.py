@@ -108,7 +108,8 @@ class LearnerCore:
         self.dp = dp  # a data-parallel group (gyre_async.core.learner_dp), None: alone
         self.optimizer = torch.optim.Adam(policy.parameters(), lr=cfg.learner.learning_rate)
         self.buffer: list[Buffered] = []
-        self.outcomes = OutcomeBook(cfg.sampler.group_size)  # global advantage (rl/fusion.py)
+        self.outcomes = OutcomeBook(cfg.sampler.group_size,  # global advantage (rl/fusion.py)
+                                    cfg.learner.mask_failed)
         self.critic = CriticGuard(cfg.learner, cfg.run.seed)  # critic defences (rl/critic.py)
         self.gate = StalenessGate(cfg.loop.max_staleness, cfg.learner.batch_steps)
         self.elite = elite  # None unless elite.capacity > 0
@@ -169,7 +170,8 @@ class LearnerCore:
 
     def add(self, scored: Scored, where: tuple[int, int]) -> Dropped | None:
         """Buffer a scored segment, or refuse it (returned, counted)."""
-        self.outcomes.record(scored.trajectory_id, scored.segment_id, scored.total)
+        self.outcomes.record(scored.trajectory_id, scored.segment_id, scored.total,
+                             failed=bool(scored.failure))
         max_versions = self.cfg.learner.max_versions
         if max_versions and self.version >= max_versions:
             return self._drop(scored, "budget-spent")  # the run is winding down
@@ -288,7 +290,8 @@ class LearnerCore:
         if global_adv is None:
             global_adv = self.global_advantages(items)
         prep = prepare_batch(self.policy, items, settings.gamma, settings.lam, global_adv,
-                             settings.credit, settings.fusion_max_weight)
+                             settings.credit, settings.fusion_max_weight,
+                             bootstrap_failed=settings.mask_failed)
         ids = [it.scored.segment_id for it in items]
         check_batch_finite({sid: {"rewards": it.scored.step_rewards,
                                   "action_logprobs": it.arrays["action_logprobs"]}

@@ -36,6 +36,23 @@ class BatchItem:
         """The trajectory really ended at this segment's last step (no value bootstrap)."""
         return bool(self.arrays["terminal"][0])
 
+    def bootstrap_context(self, failed_fallback: bool) -> list[int]:
+        """The context whose value the segment's GAE bootstraps from ([]: none, value 0).
+
+        The recorded one is the context right after the last step. The last segment of a
+        failed episode (env error, timeout, abandonment) may have none recorded (its next
+        observation never came); with ``failed_fallback`` it bootstraps from its last
+        step's own context instead: ``V(s_T)`` is the critic's estimate of what the episode
+        would still have earned from the last state it reached, a one-step shift from the
+        missing ``V(s_{T+1})``, while 0 would read the crash as "nothing more to earn", the
+        very zero return that masking failures is meant to avoid."""
+        arrays = self.arrays
+        boot = arrays["bootstrap_context"][0, : int(arrays["bootstrap_len"][0])].tolist()
+        if not boot and failed_fallback and self.scored.failure and not self.terminal:
+            last = len(arrays["context_len"]) - 1
+            boot = arrays["context_tokens"][last, : int(arrays["context_len"][last])].tolist()
+        return boot
+
 
 @dataclass
 class PreparedBatch:
@@ -51,12 +68,14 @@ class PreparedBatch:
     local_advantages: torch.Tensor  # raw segment GAE, one per step
     fusion_weights: list[float]  # weight of the global outcome advantage, one per segment
     global_known: int = 0  # segments whose trajectory outcome was known
+    failed_segments: int = 0  # last segments of failed episodes (bootstrapped, no outcome)
 
     def credit_stats(self) -> dict[str, float]:
         weights = self.fusion_weights or [0.0]
         return {"credit/fusion_weight_mean": float(np.mean(weights)),
                 "credit/fusion_weight_max": float(np.max(weights)),
                 "credit/segments_with_outcome": float(self.global_known),
+                "credit/failed_episode_segments": float(self.failed_segments),
                 "credit/max_abs_local_advantage": float(self.local_advantages.abs().max())
                 if self.n else 0.0}
 
@@ -77,10 +96,11 @@ def _rows(tokens: np.ndarray, lengths: np.ndarray) -> list[list[int]]:
 
 def prepare_batch(policy, items: Sequence[BatchItem], gamma: float, lam: float,
                   global_adv: list[float] | None = None, credit: CreditMode = "gae",
-                  w_max: float = 0.8) -> PreparedBatch:
+                  w_max: float = 0.8, bootstrap_failed: bool = True) -> PreparedBatch:
     """Values under ``policy``, GAE inside each segment bootstrapped at its boundary, fused
     with the per-segment global outcome advantage (``global_adv``, NaN: unknown; see
-    ``gyre_async.rl.fusion``).
+    ``gyre_async.rl.fusion``). ``bootstrap_failed`` (``learner.mask_failed``): a failed
+    episode's last segment always bootstraps (:meth:`BatchItem.bootstrap_context`).
 
     Pure given the policy weights and the segments: ``gyre replay learner`` calls it with
     the parent checkpoint to re-derive exactly the advantages each update used.
@@ -99,8 +119,7 @@ def prepare_batch(policy, items: Sequence[BatchItem], gamma: float, lam: float,
         rewards += list(item.scored.step_rewards)
     with torch.no_grad():
         values = policy.values(contexts).float()
-        boots = [it.arrays["bootstrap_context"][0, : int(it.arrays["bootstrap_len"][0])].tolist()
-                 for it in items]
+        boots = [it.bootstrap_context(bootstrap_failed) for it in items]
         need = [i for i, b in enumerate(boots) if b and not items[i].terminal]
         boot_values = torch.zeros(len(items))
         if need:
@@ -127,4 +146,5 @@ def prepare_batch(policy, items: Sequence[BatchItem], gamma: float, lam: float,
     return PreparedBatch(contexts, actions, behaviour, rewards, values,
                          fused2d[k_index, t_index], ret2d[k_index, t_index],
                          adv2d[k_index, t_index], weights.tolist(),
-                         int((~torch.isnan(outcome)).sum()))
+                         int((~torch.isnan(outcome)).sum()),
+                         sum(1 for it in items if it.scored.failure))

@@ -71,6 +71,7 @@ from gyre_async.core.rollout import (
 )
 from gyre_async.envs import make_env
 from gyre_async.envs.base import Env, EnvFailure, observation_hash
+from gyre_async.envs.faults import with_faults
 from gyre_async.envs.macros import step_fields, with_macros
 from gyre_async.errors import ConfigError
 from gyre_async.policy.context import ContextBuilder
@@ -223,7 +224,8 @@ class SamplerCore:
 
     async def _slot(self, shared: _Run) -> None:
         cfg = self.cfg
-        env = with_macros(make_env(cfg.task.env, **cfg.task.env_config), cfg.macros)
+        env = with_macros(with_faults(make_env(cfg.task.env, **cfg.task.env_config), cfg.task,
+                                      (cfg.run.seed, self.replica)), cfg.macros)
         rounds = 0
 
         def learner_reached_round() -> bool:

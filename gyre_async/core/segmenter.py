@@ -14,7 +14,7 @@ segments are skipped and nothing is segmented twice.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -22,7 +22,14 @@ from gyre_async.envs.macros import env_steps_of
 from gyre_async.storage.segments import SegmentRef
 from schemas import event_id
 from schemas.config import SegmenterConfig
-from schemas.events import BoundaryReason, EnvError, SegmentClosed, TrajectoryStep
+from schemas.events import (
+    BoundaryReason,
+    EnvError,
+    EpisodeFailure,
+    SegmentClosed,
+    TrajectoryStep,
+    failure_of,
+)
 from schemas.topics import TRAJECTORY_STEP
 
 #: (topic, partition) -> the lowest offset still needed after a crash
@@ -42,6 +49,7 @@ class ClosedSegment:
     boundary: BoundaryReason
     terminal: bool  # the trajectory ended with a real outcome (no value bootstrap)
     first_offset: tuple[int, int] = (0, -1)  # (partition, offset) of its first step
+    failure: EpisodeFailure = ""  # closed by a failure (see abort): the episode has no outcome
 
 
 def pad(rows: list[list[int]], width: int, dtype=np.int32) -> tuple[np.ndarray, np.ndarray]:
@@ -103,6 +111,7 @@ def segment_closed(seg: ClosedSegment, segment_id: str, ref: SegmentRef, *, run_
         feedback=[s.feedback for s in seg.steps],
         actions=[s.action_text for s in seg.steps],
         env_steps=sum(env_steps_of(s) for s in seg.steps),
+        failure=seg.failure,
     )
 
 
@@ -154,14 +163,21 @@ class SegmenterCore:
         return []
 
     def abort(self, error: EnvError) -> list[ClosedSegment]:
-        """An environment failure ends the trajectory: close what is open, as truncated."""
+        """An environment failure ends the trajectory: close what is open, as truncated
+        (not terminal: the learner bootstraps its value) and marked with the failure's
+        kind, so the learner keeps the episode out of its group's outcome baseline.
+
+        Nothing open (the failure came right after a segment closed, or at reset): no
+        segment carries the mark; the episode's earlier segments were trained, if at all,
+        before its end was known, so they never had an outcome advantage to mask."""
         tid = error.trajectory_id
         seg = self.open.get(tid)
         self.ended.add(tid)
         if seg is None or not seg.steps:
             self.open.pop(tid, None)
             return []
-        return [self._close(tid, "trajectory-end", terminal=False)]
+        closed = self._close(tid, "trajectory-end", terminal=False)
+        return [replace(closed, failure=failure_of(error))]
 
     def cut_all(self) -> list[ClosedSegment]:
         """Close every open segment where it stands, as a length cut (``max-length``: not

@@ -7,6 +7,8 @@
   composition root :mod:`gyre_async.compose` hands it to the policy's tokenizer).
 - :mod:`.workshop`: the long-horizon workshop family the quickstart trains on.
 - :mod:`.gym_adapter`: Gymnasium environments with text observations/actions.
+- :mod:`.faults`: the sampler's fault drill (``task.fail_episode_rate``): a share of
+  training episodes crash at a random step (the failure-masking bench).
 - :mod:`.subprocess_env`: any of them in a child process with memory and CPU-time limits
   (``"subprocess"``).
 - :mod:`.text_games` and its adapters :mod:`.twx` (``"twx"``, TextWorldExpress),

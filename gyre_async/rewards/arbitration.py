@@ -15,7 +15,8 @@ guard       vetoes. ``unproven``: a milestone claim without state proof is not p
             ``safety:<rule>``: a pluggable safety rule withholds every positive reward
             (charged back too).
             (Definitions: :mod:`gyre_async.rewards.guards`.)
-outcome     the verifiable outcome of a finished trajectory, at its last step.
+outcome     the verifiable outcome of a finished trajectory, at its last step (none for
+            an episode ended by a failure: ``SegmentClosed.failure``).
 milestone   each task milestone proven by environment state, paid once per trajectory
             at the step it was reached (tied to the task's milestones, not to actions).
 rule        configured checks (``arbiter.rules``), weighted (:mod:`.rules`).
@@ -125,7 +126,7 @@ class Arbitration:
             newly_paid.append(milestone.name)
             verified[step - seg.step_start] += c.milestone_reward
             components["milestone"] += c.milestone_reward
-        if seg.trajectory_done:
+        if seg.trajectory_done and not seg.failure:  # a failed episode has no outcome
             outcome = c.outcome_success if seg.success else c.outcome_failure
             verified[-1] += outcome
             components["outcome"] = outcome
@@ -166,14 +167,15 @@ class Arbitration:
             success=seg.success, components=components, step_rewards=rewards,
             total=float(sum(rewards)), decided_by=decided_by, paid_milestones=newly_paid,
             guard_reasons=[f"{v.guard}: {v.reason}" for v in verdicts],
-            guard_state=farm_state.encode() if c.guards.enabled else {}), [])
+            guard_state=farm_state.encode() if c.guards.enabled else {},
+            failure=seg.failure), [])
 
 
 def _decider(verdicts, seg: SegmentClosed, components: dict[str, float],
              shaping: dict[str, list[float]]) -> str:
     if verdicts:
         return "guard"
-    if seg.trajectory_done:
+    if seg.trajectory_done and not seg.failure:
         return "outcome"
     if components["milestone"]:
         return "milestone"

@@ -8,6 +8,8 @@ Two signals reach a segment:
 * **global**: the trajectory's outcome — its undiscounted arbitrated return — normalised
   within its group of trajectories on the same task (GRPO, :func:`group_outcome_advantage`).
   Unbiased, critic-free, but known only when the trajectory ends and constant over it.
+  An episode ended by a failure (env error, timeout, abandonment) has no outcome: it is
+  left out of its group and gets none (:class:`OutcomeBook`, ``learner.mask_failed``).
 
 Fusion, per segment ``i`` of a batch (``t`` runs over its real steps)::
 
@@ -96,34 +98,57 @@ class OutcomeBook:
     final segment is in the batch become *known* in their group (task id), then every
     segment of a known trajectory gets its group-relative advantage over the group's known
     members; others get NaN. Idempotent per segment id, so redelivered events change nothing.
-    A group is forgotten once ``group_size`` of its members are known (no member can follow).
+    A group is forgotten once ``group_size`` of its members have ended (no member can follow).
+
+    Failed episodes (``record(..., failed=True)``: ended by an env error, a timeout or
+    abandonment) have no outcome. With ``mask_failed`` they end without joining their group:
+    the baseline and spread are those of the properly ended members only, and the failed
+    trajectory's segments get NaN (no outcome advantage; their per-segment credit, GAE
+    bootstrapped from the critic, is all they get). A zero return would both pull the
+    group's baseline down (every finished member then looks better than it is) and push
+    the failed trajectory's own actions down for a crash they did not cause. Without
+    ``mask_failed`` they join the group with the return they had (the old behaviour).
     """
 
     group_size: int = 1
+    mask_failed: bool = True
     totals: dict[str, dict[str, float]] = field(default_factory=dict)  # traj -> seg -> total
     groups: dict[str, dict[str, float]] = field(default_factory=dict)  # task -> traj -> outcome
+    failed: set[str] = field(default_factory=set)  # trajectories recorded as failed, not ended
+    failed_members: dict[str, set[str]] = field(default_factory=dict)  # task -> failed ended
 
-    def record(self, trajectory_id: str, segment_id: str, total: float) -> None:
+    def record(self, trajectory_id: str, segment_id: str, total: float,
+               failed: bool = False) -> None:
         self.totals.setdefault(trajectory_id, {})[segment_id] = float(total)
+        if failed:
+            self.failed.add(trajectory_id)
 
     def forget(self, trajectory_id: str) -> None:
         """Drop a trajectory whose outcome will never be trained (its final segment dropped)."""
         self.totals.pop(trajectory_id, None)
+        self.failed.discard(trajectory_id)
 
     def global_advantages(self, segments: Sequence[tuple[str, str, bool]]) -> list[float]:
         """``segments``: (trajectory_id, task_id, trajectory_done) per batch segment, in order."""
         for traj, task, done in segments:
-            if done and traj in self.totals:
-                self.groups.setdefault(task, {})[traj] = sum(self.totals.pop(traj).values())
+            if not (done and traj in self.totals):
+                continue
+            outcome = sum(self.totals.pop(traj).values())
+            if traj in self.failed and self.mask_failed:
+                self.failed_members.setdefault(task, set()).add(traj)
+            else:
+                self.groups.setdefault(task, {})[traj] = outcome
+            self.failed.discard(traj)
         advantage: dict[str, float] = {}
         for task in {task for _, task, _ in segments}:
             members = self.groups.get(task, {})
-            if not members:
-                continue
-            ids = list(members)
-            adv = group_outcome_advantage(torch.tensor([members[t] for t in ids],
-                                                       dtype=torch.float64), [task] * len(ids))
-            advantage.update(zip(ids, adv.tolist()))
-            if len(members) >= self.group_size:
-                del self.groups[task]
+            if members:
+                ids = list(members)
+                adv = group_outcome_advantage(torch.tensor([members[t] for t in ids],
+                                                           dtype=torch.float64),
+                                              [task] * len(ids))
+                advantage.update(zip(ids, adv.tolist()))
+            if len(members) + len(self.failed_members.get(task, ())) >= self.group_size:
+                self.groups.pop(task, None)
+                self.failed_members.pop(task, None)
         return [advantage.get(traj, math.nan) for traj, _, _ in segments]

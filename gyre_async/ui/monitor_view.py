@@ -92,6 +92,7 @@ def _curves(s: MonitorState) -> Panel:
     evals = s.evals
     ok = s.train_success
     returns = list(s.returns)[-100:]
+    failed = ", ".join(f"{k} {n}" for k, n in s.failure_kinds.most_common())
     rows = [
         ("val success", Text.assemble(sparkline([e.success_rate for e in evals], 0.0, 1.0),
                                       f"  {evals[-1].success_rate:.1%}" if evals else "")),
@@ -101,6 +102,7 @@ def _curves(s: MonitorState) -> Panel:
             sparkline(s.train_curve, 0.0, 1.0),
             f"  {ok:.1%} (last 100)" if ok is not None else "")),
         ("", f"episodes {s.counts.episodes}  successes {s.counts.successes}"),
+        ("failed episodes", f"{s.counts.failed_episodes}" + (f" ({failed})" if failed else "")),
         ("episode return", Text.assemble(
             sparkline(s.returns),
             f"  mean {sum(returns) / len(returns):.3f} (last {len(returns)})" if returns else "")),

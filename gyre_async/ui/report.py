@@ -197,6 +197,9 @@ def _health_html(d: ReportData) -> str:
                                                       for v in d.rollbacks)],
             ["env errors", d.counts.env_errors, ", ".join(
                 f"{k}: {n}" for k, n in d.env_error_kinds.most_common())],
+            ["failed episodes (no outcome: out of group baselines, bootstrapped)",
+             d.counts.failed_episodes, ", ".join(
+                 f"{k}: {n}" for k, n in d.failure_kinds.most_common())],
             ["reward failures", d.counts.reward_failed, ""],
             ["undecodable records (skipped)", d.read.skipped, d.read.last_skip_reason],
             ["duplicate deliveries (ignored)", d.counts.duplicates, ""]]

@@ -62,11 +62,11 @@ def long_config(base, variant: str, seed: int, run_dir: str, args):
     """credit.py's config of one variant, with evaluations spaced for long episodes.
 
     An evaluation plays 32 episodes of up to the cap, as many steps as a sync version: every
-    second sync version and every ``--eval-every`` async version (~1k steps each).
+    ``--sync-eval-every`` sync version and every ``--eval-every`` async one (~1k steps each).
     """
     cfg = configure(base, variant, seed, run_dir, args)
     sync = variant in ("outcome_only", "gae")
-    every = 2 if sync else args.eval_every
+    every = args.sync_eval_every if sync else args.eval_every
     return msgspec.structs.replace(
         cfg, evaluator=msgspec.structs.replace(cfg.evaluator, every_versions=every))
 
@@ -82,6 +82,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--group-size", type=int, default=4)
     p.add_argument("--target", type=float, default=0.5)
     p.add_argument("--eval-every", type=int, default=10, help="async versions per evaluation")
+    p.add_argument("--sync-eval-every", type=int, default=2,
+                   help="sync versions per evaluation (each holds ~32 whole episodes)")
+    p.add_argument("--only-seeds", default="",
+                   help="comma-separated seeds (several processes can share one --out; "
+                        "then --summarize reports them together)")
+    p.add_argument("--summarize", action="store_true",
+                   help="run nothing: report the runs finished in --out")
     p.add_argument("--max-wall", type=float, default=3600.0, help="wall cap per run (s)")
     p.add_argument("--end-by", default="", help="UTC HH:MM: share the time left among runs")
     p.add_argument("--reuse", action="store_true", help="keep runs finished in --out")
@@ -100,12 +107,15 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(args.out, exist_ok=True)
     curves: dict[str, list] = {v: [] for v in variants}
     steps_run: dict[str, list[int]] = {v: [] for v in variants}
-    plan = [(seed, v) for seed in range(args.seeds) for v in variants]
+    seeds = [int(x) for x in args.only_seeds.split(",") if x] or list(range(args.seeds))
+    plan = [(seed, v) for seed in seeds for v in variants]
     for i, (seed, variant) in enumerate(plan):
         run_dir = os.path.join(args.out, f"{variant}-s{seed}")
         summary_path = os.path.join(run_dir, "summary.json")
         started = time.monotonic()
-        if args.reuse and os.path.exists(summary_path):
+        if args.summarize and not os.path.exists(summary_path):
+            continue
+        if (args.reuse or args.summarize) and os.path.exists(summary_path):
             with open(summary_path) as f:
                 summary = json.load(f)
         else:
@@ -128,8 +138,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"first >= target at {first_at(points, args.target)}, curve "
                 f"{[(s, round(ok, 2)) for s, ok, _ in points]}")
         print(line, file=sys.stderr, flush=True)
-        with open(os.path.join(args.out, "runs.txt"), "a") as f:
-            f.write(line + "\n")
+        if not args.summarize:
+            with open(os.path.join(args.out, "runs.txt"), "a") as f:
+                f.write(line + "\n")
     png = os.path.join(args.out, "long_curves.png")
     plot({v: c for v, c in curves.items() if c}, args.target, png, args.budget)
     per_seed = {v: [first_at(c, args.target) for c in curves[v]] for v in variants}

@@ -5,7 +5,9 @@
   registry: :func:`make_env` (``"workshop"``, ``"gym:<id>"``) and :func:`env_vocabulary`
   (the words each environment's text uses: every environment owns its vocabulary, and the
   composition root :mod:`gyre_async.compose` hands it to the policy's tokenizer).
-- :mod:`.workshop`: the long-horizon workshop family the quickstart trains on.
+- :mod:`.workshop`: the long-horizon workshop family the quickstart trains on
+  (``"workshop"``), and its truly long settings ``"workshop-long"`` (every seed >= 300
+  steps, cap 1,000) and ``"workshop-xl"`` (>= 1,000 steps, cap 3,000).
 - :mod:`.gym_adapter`: Gymnasium environments with text observations/actions.
 - :mod:`.faults`: the sampler's fault drill (``task.fail_episode_rate``): a share of
   training episodes crash at a random step (the failure-masking bench).

@@ -91,6 +91,10 @@ class WorkshopConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
 
     n_orders: int = 10
     """Sub-tasks in the chain: the horizon knob (~8.4 shortest steps per order on average)."""
+    min_solution_steps: int = 0
+    """Floor on :func:`lower_bound_steps`: the seeded chain is extended by further orders
+    (drawn from the same generator) until no solution can be shorter than this. 0: exactly
+    ``n_orders`` orders. The long settings use it so *every* seed is provably long."""
     max_count: int = 2
     """Each order asks for 1..max_count units (drawn per seed)."""
     max_steps: int = 300
@@ -113,6 +117,7 @@ class WorkshopConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     def __post_init__(self) -> None:
         checks = [
             (1 <= self.n_orders <= 1000, "n_orders must be in 1..1000"),
+            (0 <= self.min_solution_steps <= 10_000, "min_solution_steps must be in 0..10000"),
             (1 <= self.max_count <= 4, "max_count must be in 1..4"),
             (self.max_steps >= 1, "max_steps must be >= 1"),
             (0 <= self.smelt_delay <= 50, "smelt_delay must be in 0..50"),
@@ -149,11 +154,26 @@ class _State:
     over: bool = False
 
 
+def _unit_steps(item: str) -> int:
+    """Fewest actions that make one unit of ``item`` from nothing (see lower_bound_steps)."""
+    r = RECIPES[item]
+    return r.get("wood", 0) + r.get("stone", 0) + 2 * r.get("ingot", 0) + 1
+
+
 def make_orders(config: WorkshopConfig, task_id: str, seed: int) -> list[_Order]:
-    """The seeded order chain of an episode (what varies between tasks)."""
+    """The seeded order chain of an episode (what varies between tasks).
+
+    ``n_orders`` orders, then more from the same generator while the chain's lower bound is
+    under ``min_solution_steps`` (each order adds >= 4 steps, so this ends).
+    """
     rng = random.Random(f"workshop|{task_id}|{seed}|orders")
-    return [_Order(rng.choice(ITEMS), rng.randint(1, config.max_count))
-            for _ in range(config.n_orders)]
+    orders = [_Order(rng.choice(ITEMS), rng.randint(1, config.max_count))
+              for _ in range(config.n_orders)]
+    bound = sum(o.count * _unit_steps(o.item) for o in orders)
+    while bound < config.min_solution_steps:
+        orders.append(_Order(rng.choice(ITEMS), rng.randint(1, config.max_count)))
+        bound += orders[-1].count * _unit_steps(orders[-1].item)
+    return orders
 
 
 def lower_bound_steps(config: WorkshopConfig, task_id: str, seed: int) -> int:
@@ -162,11 +182,7 @@ def lower_bound_steps(config: WorkshopConfig, task_id: str, seed: int) -> int:
     Every unit crafted consumes its materials, each wood/stone costs one action, each ingot
     two (mine + smelt), and the craft itself one; the inventory starts empty.
     """
-    total = 0
-    for order in make_orders(config, task_id, seed):
-        r = RECIPES[order.item]
-        total += order.count * (r.get("wood", 0) + r.get("stone", 0) + 2 * r.get("ingot", 0) + 1)
-    return total
+    return sum(o.count * _unit_steps(o.item) for o in make_orders(config, task_id, seed))
 
 
 class WorkshopEnv(Env):
@@ -381,5 +397,24 @@ def oracle_action(observation: str) -> str:
     return "wait"
 
 
-register_env("workshop", WorkshopEnv,
-             vocabulary=lambda _config: EnvVocabulary(VOCAB, ACTION_WORDS))
+#: Built-in settings by environment name: the quickstart task and the truly long ones. Every
+#: seed of ``workshop-long`` provably needs >= 300 steps (cap 1,000), of ``workshop-xl``
+#: >= 1,000 (cap 3,000); a uniformly random policy never finishes them and
+#: :func:`oracle_action` finishes every seed (measured in docs/environments.md, checked by
+#: tests/test_workshop_long.py). ``env_config`` overrides any field, as for ``workshop``.
+SETTINGS: dict[str, WorkshopConfig] = {
+    "workshop": WorkshopConfig(),
+    "workshop-long": WorkshopConfig(n_orders=30, min_solution_steps=300, max_steps=1000),
+    "workshop-xl": WorkshopConfig(n_orders=100, min_solution_steps=1000, max_steps=3000),
+}
+
+
+def _setting_factory(setting: WorkshopConfig):
+    def build(**overrides: object) -> WorkshopEnv:
+        return WorkshopEnv(setting, **overrides)
+    return build
+
+
+for _name, _setting in SETTINGS.items():
+    register_env(_name, _setting_factory(_setting),
+                 vocabulary=lambda _config: EnvVocabulary(VOCAB, ACTION_WORDS))

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import os
+import platform
 import signal
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
@@ -19,8 +22,37 @@ T = TypeVar("T")
 log = structlog.get_logger(__name__)
 
 
+#: Allocations this large or larger are served by mmap and given back when freed (glibc's
+#: own starting value, held: 4 MiB still let the learner grow with varying batch shapes).
+MMAP_THRESHOLD_BYTES = 128 << 10
+_M_MMAP_THRESHOLD = -3  # mallopt's parameter number (glibc malloc.h)
+
+
+def pin_mmap_threshold(nbytes: int = MMAP_THRESHOLD_BYTES) -> bool:
+    """Keep a long-running role's RSS flat. Allocations of ``nbytes`` or more always use mmap.
+
+    By default glibc raises its mmap threshold (up to 32 MiB) each time a large mmapped
+    block is freed. After a few updates the learner's batch tensors then come from the heap,
+    where freed memory fragments and is seldom returned. RSS then climbs from update to
+    update, with nothing leaking. Measured (``ops/bench/memory.py``, one 4,341-step
+    trajectory): the learner's peak RSS 1,006 MB at 10% of it, 1,550 MB at 100%. 14 forward
+    passes of one 270-step batch: 436 -> 1,062 MB, or 242 -> 253 MB once pinned; 16 PPO
+    steps on minibatches of 40-63 steps: 379 -> 531 MB pinned at 4 MiB, 322 -> 325 MB at
+    128 KiB. Setting the threshold turns the adjustment off. Returns False, doing nothing, off glibc or
+    when ``MALLOC_MMAP_THRESHOLD_`` is set.
+    """
+    if platform.libc_ver()[0] != "glibc" or "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return False
+    try:
+        return bool(ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, nbytes))
+    except (OSError, AttributeError):  # pragma: no cover - no glibc after all
+        return False
+
+
 def run_main(main: Callable[[], Coroutine[Any, Any, T]]) -> T:
-    """Run a coroutine on uvloop when it is installed (faster I/O), else asyncio."""
+    """Run a coroutine on uvloop when it is installed (faster I/O), else asyncio; with the
+    mmap threshold pinned first (:func:`pin_mmap_threshold`)."""
+    pin_mmap_threshold()
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency on POSIX

@@ -74,7 +74,7 @@ async def _steps_of(bus) -> list[TrajectoryStep | EnvError]:
     return [e async for _, e in read_events(bus, [TRAJECTORY_STEP], on_bad="raise")]
 
 
-async def _incarnation(cfg, bus, *, until, timeout_s: float = 120.0):
+async def _incarnation(cfg, bus, *, until, timeout_s: float = 300.0):
     """Run one sampler incarnation named ``sampler`` until ``until(core)`` holds; stop it
     at once (its slots are cancelled mid-episode, its outbox flushed) and return its core."""
     from actors.sampler import Sampler

@@ -92,7 +92,13 @@ async def _run(url: str, cfg, timeout_s: float):
             for r in movers:  # come back: partitions move again
                 everyone.append(r)
                 tasks[r] = asyncio.create_task(r.run(), name=r.name)
-            await until_version(7)
+            # the returned segmenter owns partitions and has written (a Kafka group
+            # rebalances on the broker's schedule: wait for it, not for a version count)
+            while movers[0].actor.segments == 0:
+                if loop.time() > deadline:
+                    raise AssertionError("the returned segmenter never wrote a segment")
+                await asyncio.sleep(0.05)
+            await until_version(learner.core.version + 2)
         finally:
             for r in everyone:
                 r.stop()

@@ -99,6 +99,18 @@ async def curve(run_dir: str) -> list[tuple[int, float, int]]:
     return points
 
 
+def record_run(args, label: str, seed: int, summary: dict, points, started: float) -> None:
+    """One run's line: to stderr, and appended to ``<out>/runs.txt`` unless summarizing."""
+    line = (f"{label} seed {seed}: {summary['env_steps']} steps, "
+            f"{summary['policy_versions']} versions, {time.monotonic() - started:.0f} s, "
+            f"first >= target at {first_at(points, args.target)}, curve "
+            f"{[(s, round(ok, 2)) for s, ok, _ in points]}")
+    print(line, file=sys.stderr, flush=True)
+    if not args.summarize:
+        with open(os.path.join(args.out, "runs.txt"), "a") as f:
+            f.write(line + "\n")
+
+
 def first_at(points, target: float) -> int | None:
     return next((s for s, ok, _ in points if ok >= target), None)
 
@@ -198,14 +210,7 @@ def main(argv: list[str] | None = None) -> int:
             points = asyncio.run(curve(run_dir))
             curves[variant].append(points)
             finals[variant].append(points[-1][1] if points else 0.0)
-            line = (f"{variant:>18} seed {seed}: {summary['env_steps']} steps, "
-                    f"{summary['policy_versions']} versions, {time.monotonic() - started:.0f} s, "
-                    f"first >= target at {first_at(points, args.target)}, curve "
-                    f"{[(s, round(ok, 2)) for s, ok, _ in points]}")
-            print(line, file=sys.stderr, flush=True)
-            if not args.summarize:
-                with open(os.path.join(args.out, "runs.txt"), "a") as f:
-                    f.write(line + "\n")
+            record_run(args, f"{variant:>18}", seed, summary, points, started)
     png = os.path.join(args.out, "credit_curves.png")
     plot(curves, args.target, png, args.budget)
     per_seed = {v: [first_at(c, args.target) for c in curves[v]] for v in variants}

@@ -39,7 +39,14 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # run as a script: make the packages importable
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # and credit.py, its sibling
 
-from credit import configure, curve, first_at, median_or_none, plot  # noqa: E402
+from credit import (  # noqa: E402
+    configure,
+    curve,
+    first_at,
+    median_or_none,
+    plot,
+    record_run,
+)
 
 from gyre_async.config import load_config  # noqa: E402
 from gyre_async.envs.workshop import SETTINGS  # noqa: E402
@@ -133,14 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         points = asyncio.run(curve(run_dir))
         curves[variant].append(points)
         steps_run[variant].append(int(summary["env_steps"]))
-        line = (f"{variant:>12} seed {seed}: {summary['env_steps']} steps, "
-                f"{summary['policy_versions']} versions, {time.monotonic() - started:.0f} s, "
-                f"first >= target at {first_at(points, args.target)}, curve "
-                f"{[(s, round(ok, 2)) for s, ok, _ in points]}")
-        print(line, file=sys.stderr, flush=True)
-        if not args.summarize:
-            with open(os.path.join(args.out, "runs.txt"), "a") as f:
-                f.write(line + "\n")
+        record_run(args, f"{variant:>12}", seed, summary, points, started)
     png = os.path.join(args.out, "long_curves.png")
     plot({v: c for v, c in curves.items() if c}, args.target, png, args.budget)
     per_seed = {v: [first_at(c, args.target) for c in curves[v]] for v in variants}

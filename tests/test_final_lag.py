@@ -85,3 +85,58 @@ def test_caught_up_tells_handled_but_held_input_from_unhandled_input(tmp_path):
 
     held, unconsumed, processed = asyncio.run(scenario())
     assert (held, unconsumed, processed) == (5, 0, 5)
+
+
+class _HoldsUntilOtherPartition(Actor):
+    """Holds partition 0 back until a record of partition 1 arrives (as a batched write
+    that goes out while the batch brought other partitions' records)."""
+
+    role = "holder"
+    consumes = (TRAJECTORY_STEP,)
+
+    def __init__(self):
+        self.released = False
+
+    async def handle(self, event, record):
+        if record.partition == 1:
+            self.released = True
+        return []
+
+    def commit_floor(self):
+        return {} if self.released else {(TRAJECTORY_STEP, 0): 0}
+
+
+def test_a_held_partition_is_committed_when_its_floor_lifts_in_another_partitions_batch(
+        tmp_path):
+    from gyre_async.bus.base import partition_for
+    keys = [f"k{i}" for i in range(40)]
+    on = {p: next(k for k in keys if partition_for(k.encode(), 2) == p) for p in (0, 1)}
+
+    async def scenario():
+        async with open_bus(f"sqlite:///{tmp_path}/events.db") as bus:
+            await bus.create_topics([TRAJECTORY_STEP], 2)
+            runner = ActorRunner(_HoldsUntilOtherPartition(), bus, run_id="t", partitions=2)
+            task = asyncio.create_task(runner.run())
+
+            async def handled(tp, n):
+                for _ in range(200):
+                    if runner.position.get(tp, 0) >= n:
+                        return
+                    await asyncio.sleep(0.05)
+                raise AssertionError(f"{tp} not handled")
+
+            await bus.publish(TRAJECTORY_STEP, [(on[0].encode(), encode(step(on[0], i)))
+                                                for i in range(5)])
+            await handled((TRAJECTORY_STEP, 0), 5)
+            held = await bus.committed(runner.group, TRAJECTORY_STEP)
+            await bus.publish(TRAJECTORY_STEP, [(on[1].encode(), encode(step(on[1], 0)))])
+            await handled((TRAJECTORY_STEP, 1), 1)
+            await asyncio.sleep(0.3)
+            after = await bus.committed(runner.group, TRAJECTORY_STEP)
+            runner.stop()
+            await task
+            return held, after
+
+    held, after = asyncio.run(scenario())
+    assert held.get(0, 0) == 0  # held back while the floor stood
+    assert after == {0: 5, 1: 1}, after  # both: partition 0's floor lifted in partition 1's batch

@@ -112,9 +112,6 @@ async def _run(url: str, cfg, timeout_s: float):
 TANSU = pytest.param("tansu", marks=[pytest.mark.kafka, pytest.mark.slow])
 
 
-@pytest.mark.skip(reason="open defect: one CI run found 20 steps of one trajectory consumed "
-                  "by the segmenter group but in no segment after a hand-over (issue 16 "
-                  "stays open; docs/bus.md)")
 @pytest.mark.parametrize("backend", ["embedded", TANSU])
 def test_two_segmenters_and_two_arbiters_hand_partitions_over_without_loss(backend, tiny,
                                                                            tmp_path, request):

@@ -315,7 +315,9 @@ class ActorRunner:
             next_offsets[(record.topic, record.partition)] = record.offset + 1
         outputs.extend(await self.actor.after_batch())
         self._held.update(next_offsets)
-        await self._publish_with_retry(outputs, self._apply_floor(next_offsets))
+        # every held partition, not only this batch's: the floor of one may lift while the
+        # batch brought records of others only (e.g. a batched write went out)
+        await self._publish_with_retry(outputs, self._apply_floor(dict(self._held)))
         self.position.update(next_offsets)
 
     def _apply_floor(self, offsets: dict[tuple[str, int], int]) -> dict[tuple[str, int], int]:

@@ -170,7 +170,9 @@ class ActorRunner:
         self.dead_letters = 0
         self.duplicates = 0
         self.foreign = 0  # events of other runs (topics are shared by every run on a cluster)
-        self._seen: collections.OrderedDict[str, None] = collections.OrderedDict()
+        #: ids of events handled, with the partition they came from (duplicates published
+        #: twice are skipped; a partition that leaves this member takes its ids with it)
+        self._seen: collections.OrderedDict[str, TopicPartition] = collections.OrderedDict()
         self._seen_cap = 200_000
         self._started = time.monotonic()
         self._hb_seq = 0
@@ -299,7 +301,17 @@ class ActorRunner:
             self._assigned = now
             self.reassignments += 1
             self.log.info("actor.assignment", added=sorted(added), removed=sorted(removed))
+            self._forget_seen(added | removed)
             await self.actor.assignment_changed(added, removed)
+
+    def _forget_seen(self, partitions: set[TopicPartition]) -> None:
+        """A partition that moves away or comes (back) is read from its committed offset, as
+        after a restart: the actor released what it held for it, so records it handled in
+        an earlier ownership are new to it again and must not be skipped as duplicates."""
+        if not partitions or not self._seen:
+            return
+        for eid in [eid for eid, tp in self._seen.items() if tp in partitions]:
+            del self._seen[eid]
 
     async def _handle_batch(self, records: list[Record]) -> None:
         if not records:
@@ -383,12 +395,12 @@ class ActorRunner:
                 if attempt == self.max_retries:
                     raise
                 await asyncio.sleep(self.retry_base_s * 2**attempt)
-        self._remember(event.event_id)
+        self._remember(event.event_id, (record.topic, record.partition))
         self.processed += 1
         return outputs
 
-    def _remember(self, eid: str) -> None:
-        self._seen[eid] = None
+    def _remember(self, eid: str, where: TopicPartition) -> None:
+        self._seen[eid] = where
         if len(self._seen) > self._seen_cap:
             self._seen.popitem(last=False)
 

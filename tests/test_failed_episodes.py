@@ -26,6 +26,8 @@ from reference_advantages import slow_group_outcome_advantage, slow_segment_gae
 from rich.console import Console
 
 from gyre_async.audit.credit_log import replay_outcome_book
+from gyre_async.audit.run_fold import RunFold
+from gyre_async.audit.runlog import summarize
 from gyre_async.core.learner_batch import BatchItem, prepare_batch
 from gyre_async.core.segmenter import SegmenterCore, segment_arrays, segment_closed
 from gyre_async.envs.base import Env, EnvFailure, StepResult, guarded_step
@@ -45,6 +47,7 @@ from schemas.events import (
     TrajectoryStep,
     failure_of,
 )
+from schemas.topics import TRAJECTORY_STEP
 
 # -- groups ---------------------------------------------------------------------------------
 
@@ -329,6 +332,12 @@ def test_failed_episodes_are_counted_by_kind_in_the_monitor_and_the_report(tmp_p
     assert "failed episodes 4 (env-error 2, timeout 1, abandoned 1)" in text
     page = _health_html(report)
     assert "<td>4</td><td>env-error: 2, timeout: 1, abandoned: 1</td>" in page
+    fold = RunFold("r")
+    for error in [*errors, errors[0]]:
+        fold.apply(error, TRAJECTORY_STEP)
+    summary = summarize(fold, wall_seconds=1.0)
+    assert summary["failed_episodes"] == 4
+    assert summary["failed_by_kind"] == {"abandoned": 1, "env-error": 2, "timeout": 1}
 
 
 def test_the_replayed_outcome_book_masks_the_same_failed_member_as_the_live_one():

@@ -127,6 +127,10 @@ def summarize(log: RunFold, wall_seconds: float) -> dict:
         "episodes": log.counts.episodes,
         "train_success_rate": (log.counts.successes / log.counts.episodes
                                if log.counts.episodes else None),
+        # ended by an environment failure (error, timeout, abandonment): out of group
+        # baselines, their last segment bootstrapped (learner.mask_failed)
+        "failed_episodes": log.counts.failed_episodes,
+        "failed_by_kind": dict(sorted(log.failure_kinds.items())),
         "segments": log.counts.segments,
         "dropped_stale_segments": log.counts.dropped,
         # why (``budget-spent``: in flight when the run ended, refused instead of trained)

@@ -60,6 +60,11 @@ def validate(cfg: Config, where: str = "config") -> None:
     if cfg.learner.kl_to_base > 0 and (cfg.policy.backend == "tiny" or cfg.policy.lora.rank < 1):
         problems.append("learner.kl_to_base needs policy.backend 'hf' with [policy.lora] rank "
                         ">= 1 (the base model is the policy with its adapters disabled)")
+    if not 0.0 <= cfg.task.fail_episode_rate <= 1.0:
+        problems.append("task.fail_episode_rate must be in [0, 1] (a share of training "
+                        "episodes; 0: the fault drill is off)")
+    if cfg.task.fail_within_steps < 0:
+        problems.append("task.fail_within_steps must be >= 0 (0: the environment's step cap)")
     for check in _extra_checks:
         problems.extend(check(cfg))
     if problems:

@@ -357,3 +357,15 @@ def test_the_replayed_outcome_book_masks_the_same_failed_member_as_the_live_one(
                            (False, [1.1547, -0.5774, -0.5774])]:
         ((_, adv),) = replay_outcome_book(OutcomeBook(3, mask), log, [update])
         assert adv == pytest.approx(expected, abs=1e-4, nan_ok=True)
+
+
+@pytest.mark.parametrize("task, match", [({"fail_episode_rate": 1.5}, "fail_episode_rate"),
+                                         ({"fail_episode_rate": -0.1}, "fail_episode_rate"),
+                                         ({"fail_within_steps": -1}, "fail_within_steps")])
+def test_a_fault_drill_out_of_range_is_refused_at_load(tiny, task, match):
+    from gyre_async.config import validate
+    from gyre_async.errors import ConfigError
+
+    validate(tiny.config(task={"fail_episode_rate": 0.1}))  # in range: fine
+    with pytest.raises(ConfigError, match=match):
+        validate(tiny.config(task=task))

@@ -187,6 +187,11 @@ class ActorRunner:
         actor.runner = self
 
     # -- public ------------------------------------------------------------------------------
+    @property
+    def assignment(self) -> frozenset[TopicPartition]:
+        """The partitions this member owns, as last told to the actor."""
+        return frozenset(self._assigned)
+
     def stop(self) -> None:
         self.stopping.set()
 

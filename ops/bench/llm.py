@@ -296,6 +296,9 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     summary = asyncio.run(run_loop(cfg, progress=False))
     online_s = time.monotonic() - started
+    # peak so far: the base evaluation's model and every role of the run (one process);
+    # read before the side-by-side comparisons below load models of their own
+    run_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     curve = summary["evals"]
     best = max(curve, key=lambda e: (e["success"], e["score"])) if curve else None
     final = curve[-1] if curve else None
@@ -337,8 +340,8 @@ def main(argv: list[str] | None = None) -> int:
         "vllm_vs_raw": None, "vllm_note": vllm_note,
         "publish_to_act_s": {"torch": round(statistics.median(delays), 2) if delays else None,
                              "vllm": None},
-        "peak_rss_mb": {"gyre run (every role, one process)":
-                        round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)},
+        "peak_rss_mb": {"gyre run, every role in one process (+ the base model)":
+                        round(run_rss_mb, 1)},
         "png": png, "settings": vars(args),
     }
     with open(os.path.join(args.out, "result.json"), "w") as f:

@@ -101,8 +101,7 @@ def test_text_games_declared_rebuildable_replay_the_same(name, config, task, tmp
         import asyncio
 
         asyncio.run(env.close())
-    if not declared:
-        pytest.skip(f"{name} does not declare rebuildable")
+    assert declared, f"{name} no longer declares rebuildable (issue 15 checks these three)"
     for seed in (3, 4):
         same, played = replays_the_same(name, config, task, seed, config["max_steps"],
                                         tmp_path)

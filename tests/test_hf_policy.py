@@ -37,7 +37,7 @@ def policy(smollm2_dir):
 
 
 def contexts(policy: HFPolicy) -> list[list[int]]:
-    builder = ContextBuilder(policy.tokenizer, 96, 1)
+    builder = ContextBuilder(policy.tokenizer, 192, 1)
     return [
         builder.build("You are in the kitchen. You see a closed fridge and a table."),
         builder.build("You are in the hallway. There is a door to the north.",
@@ -65,6 +65,9 @@ def test_contexts_are_chat_transcripts_in_the_models_own_token_ids(policy):
     assert text.endswith("<|im_start|>user\nYou are in the hallway. There is a door to the "
                          "north.<|im_end|>\n<|im_start|>assistant\n")
     assert "assistant\ngo north<|im_end|>" in text
+    # the worked example comes right after the system prompt (and its progress summary)
+    assert "\nProgress: done open fridge<|im_end|>\n<|im_start|>user\n-= Garden =-" in text
+    assert "assistant\ntake shovel<|im_end|>" in text
     assert tok.eos_id == tok.hf.convert_tokens_to_ids("<|im_end|>")
     assert tok.vocab_size == 49152 and max(ctx) < tok.vocab_size
 
@@ -119,3 +122,21 @@ def test_checkpoint_loads_back_identically(policy, smollm2_dir, tmp_path):
     assert acts == fresh.act_batch(ctx, SamplingParams(max_action_tokens=4), seed=5)
     with pytest.raises(Exception, match="sha256"):
         load_weights(fresh, ref.address, "0" * 64)
+
+
+def test_chat_models_read_the_valid_commands_after_the_games_text(policy):
+    from schemas.hint import present_hint
+
+    tok = policy.tokenizer
+    hinted = present_hint(["go north", "take apple"], "You are in the kitchen. An apple.")
+    assert hinted.startswith("valid actions : go north | take apple . ")  # as envs present it
+    assert tok.format_observation(hinted) == (
+        "You are in the kitchen. An apple.\n\nValid actions:\ngo north\ntake apple")
+    assert tok.format_observation("No hint here.") == "No hint here."
+    text = tok.decode(ContextBuilder(tok, 256, 0).build(hinted), skip_special=False)
+    assert text.endswith("Valid actions:\ngo north\ntake apple<|im_end|>\n"
+                         "<|im_start|>assistant\n")
+    # a command ends at the end of its line, as at the end-of-turn token
+    newline = tok.encode("\n")
+    assert len(newline) == 1 and newline[0] in tok.stop_ids and tok.eos_id in tok.stop_ids
+    assert tok.encode("take")[0] not in tok.stop_ids

@@ -41,7 +41,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from gyre_async.envs.base import Env, EnvVocabulary, StepResult
-from gyre_async.envs.text_games import BASE_WORDS, HINT_PREFIX, AdmissibleMode, snap_action, words
+from gyre_async.envs.text_games import BASE_WORDS, AdmissibleMode, snap_action, words
+from schemas.hint import present_hint
 from gyre_async.imports import import_callable
 from schemas.events import Milestone
 
@@ -137,7 +138,7 @@ class GymTextEnv(Env):
 
     def _present(self, observation: str) -> str:
         if self.admissible == "hint" and self._names:
-            return f"{HINT_PREFIX} {' | '.join(self._names)} . {observation}"
+            return present_hint(list(self._names), observation)
         return observation
 
     async def reset(self, task_id: str, seed: int) -> str:

@@ -34,10 +34,10 @@ from typing import Any, Literal
 
 from gyre_async.envs.base import Env, EnvVocabulary, StepResult, register_env
 from schemas.events import Milestone
+from schemas.hint import HINT_PREFIX, present_hint
 
 AdmissibleMode = Literal["off", "hint", "snap"]
 _WORD = re.compile(r"[a-z_']+|\d|[^\sa-z\d]")
-HINT_PREFIX = "valid actions :"
 
 
 @dataclass(frozen=True)
@@ -185,9 +185,8 @@ class TextGameEnv(Env):
 
     def _present(self, observation: str) -> str:
         text = " ".join(observation.split())
-        if self.admissible == "hint" and self._valid:
-            hint = " | ".join(self._valid[: self.max_hint_actions])
-            text = f"{HINT_PREFIX} {hint} . {text}"
+        if self.admissible == "hint":
+            text = present_hint(self._valid[: self.max_hint_actions], text)
         return text
 
 

@@ -3,9 +3,12 @@
 A trajectory may run for thousands of steps; the policy's context must not grow with it.
 A context is, in this order::
 
-    <bos> [<sum> milestone summary] [<obs> o <act> a] * (newest turns that fit) <obs> o_t <act>
+    <bos> [<sum> milestone summary] [shot] [<obs> o <act> a] * (newest turns that fit) <obs> o_t <act>
 
-It ends with ``<act>``: the policy generates the action right after it. Only the last
+``shot`` is the tokenizer's worked example (a chat model is shown one exchange in the
+answer format it must keep; word-level models have none), and each observation is put as
+the tokenizer reads it best (``format_observation``: a chat model gets the valid commands
+as a list after the game's text). It ends with ``<act>``: the policy generates the action right after it. Only the last
 ``history_turns`` turns are ever looked at, so building costs O(history_turns), not
 O(trajectory length). When the window is too small, the oldest material goes first:
 
@@ -38,9 +41,9 @@ class ContextBuilder:
         self.history_turns = history_turns
         self.summary_max_tokens = (max_tokens // 4 if summary_max_tokens is None
                                    else summary_max_tokens)
-        self._bos, self._obs, self._act, self._sum = (tokenizer.marker(m) for m in
-                                                      ("bos", "obs", "act", "sum"))
-        fixed = len(self._bos) + len(self._obs) + len(self._act)
+        self._bos, self._obs, self._act, self._sum, self._shot = (
+            tokenizer.marker(m) for m in ("bos", "obs", "act", "sum", "shot"))
+        fixed = len(self._bos) + len(self._shot) + len(self._obs) + len(self._act)
         if max_tokens < fixed + 1:
             raise ValueError(f"ContextBuilder: max_tokens must be >= {fixed + 1} (the markers "
                              "plus one observation token)")
@@ -48,7 +51,8 @@ class ContextBuilder:
     def turn(self, observation: str, action: str) -> list[int]:
         """Tokens of one past turn: ``<obs> observation <act> action``."""
         t = self.tokenizer
-        return [*self._obs, *t.encode(observation), *self._act, *t.encode(action)]
+        return [*self._obs, *t.encode(t.format_observation(observation)), *self._act,
+                *t.encode(action)]
 
     def build(self, current_observation: str, history: Sequence[tuple[str, str]] = (),
               milestone_summary: str = "") -> list[int]:
@@ -57,8 +61,8 @@ class ContextBuilder:
         ``history`` holds (observation, action) pairs, oldest first; only its tail is read.
         """
         t = self.tokenizer
-        room = self.max_tokens - len(self._bos)
-        obs = t.encode(current_observation)
+        room = self.max_tokens - len(self._bos) - len(self._shot)
+        obs = t.encode(t.format_observation(current_observation))
         obs = obs[max(0, len(obs) - (room - len(self._obs) - len(self._act))):]
         current = [*self._obs, *obs, *self._act]
         room -= len(current)
@@ -78,7 +82,7 @@ class ContextBuilder:
                     break
                 turns.append(tokens)
                 room -= len(tokens)
-        out = [*self._bos, *summary]
+        out = [*self._bos, *summary, *self._shot]
         for tokens in reversed(turns):
             out.extend(tokens)
         out.extend(current)

@@ -14,6 +14,7 @@ Context markers: a pretrained vocabulary has no ``<obs>``/``<act>`` tokens, so m
 text. For chat models in the ChatML format (SmolLM2-Instruct) a context reads as a chat::
 
     <|im_start|>system\\n{system prompt}[\\nProgress: summary]<|im_end|>\\n
+    <|im_start|>user\\n{example}<|im_end|>\\n<|im_start|>assistant\\n{its command}<|im_end|>\\n
     <|im_start|>user\\n{observation}<|im_end|>\\n<|im_start|>assistant\\n{action}<|im_end|>\\n
     <|im_start|>user\\n ... <|im_start|>assistant\\n      <- the policy generates here
 
@@ -48,14 +49,37 @@ from gyre_async.policy.lora import (
 from gyre_async.policy.tokenizer import BaseTokenizer
 from gyre_async.policy.torch_policy import CausalLMPolicy
 from schemas.config import LoraSection
+from schemas.hint import present_hint, split_hint
 
 if TYPE_CHECKING:  # transformers is imported lazily (see _need_transformers)
     from transformers import PreTrainedModel
 
-SYSTEM_PROMPT = "You are playing a text adventure game. Reply with one command."
+SYSTEM_PROMPT = ("You are playing a text adventure game. Reply with one command only, "
+                 "such as one of the valid actions.")
+VALID_ACTIONS_HEADING = "\n\nValid actions:\n"
+VALID_ACTIONS_SEPARATOR = "\n"
+
+
+def chat_observation(observation: str) -> str:
+    """A hinted observation as a chat model reads it best: the game's text, then the valid
+    commands one per line right before the answer (a 135M model copies a command from
+    there, and otherwise answers in prose; with " | " between them it copied several)."""
+    valid, text = split_hint(observation)
+    if not valid:
+        return observation
+    return text + VALID_ACTIONS_HEADING + VALID_ACTIONS_SEPARATOR.join(valid)
+
+
+# One worked exchange after the system prompt, in the format every turn must keep: without it
+# SmolLM2-135M-Instruct answers "You choose to take the apple." (measured: docs/llm.md).
+EXAMPLE_TURN = ("<|im_end|>\n<|im_start|>user\n" + chat_observation(present_hint(
+    ["go north", "inventory", "look", "take shovel"],
+    "-= Garden =- You are in a garden. There is a shovel here. Exits: north."))
+    + "<|im_end|>\n<|im_start|>assistant\ntake shovel")
 CHATML_MARKERS = {
     "bos": "<|im_start|>system\n" + SYSTEM_PROMPT,
     "sum": "\nProgress: ",
+    "shot": EXAMPLE_TURN,
     "obs": "<|im_end|>\n<|im_start|>user\n",
     "act": "<|im_end|>\n<|im_start|>assistant\n",
     "sep": "\n",
@@ -98,6 +122,7 @@ class HFTokenizer(BaseTokenizer):
             else self.pad_id
         self.special_ids = frozenset(hf_tokenizer.all_special_ids)
         self.markers = CHATML_MARKERS if self.chat else PLAIN_MARKERS
+        self._stop_ids: frozenset[int] | None = None
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike[str]) -> HFTokenizer:
@@ -114,7 +139,27 @@ class HFTokenizer(BaseTokenizer):
     def marker(self, name: str) -> list[int]:
         if name == "bos" and "bos" not in self.markers:
             return [self.bos_id]
+        if name not in self.markers and name == "shot":
+            return []
         return self.encode(self.markers[name])
+
+    def format_observation(self, observation: str) -> str:
+        return chat_observation(observation) if self.chat else observation
+
+    @property
+    def stop_ids(self) -> frozenset[int]:
+        """A chat model's command ends at its end-of-turn token or at a line break (the
+        valid commands are listed one per line, and a small model goes on to copy the next
+        line; the break ends the command, as the game reads one line)."""
+        if self._stop_ids is None:
+            stops = {self.eos_id}
+            if self.chat:
+                for token, i in self.hf.get_vocab().items():
+                    if i not in self.special_ids and "\n" in self.hf.convert_tokens_to_string(
+                            [token]):
+                        stops.add(i)
+            self._stop_ids = frozenset(stops)
+        return self._stop_ids
 
     def to_json(self) -> str:
         return json.dumps({"kind": "hf", "path": self.path})

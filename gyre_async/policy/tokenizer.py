@@ -47,9 +47,21 @@ class BaseTokenizer:
         raise NotImplementedError
 
     def marker(self, name: str) -> list[int]:
-        """Tokens of a context marker: ``"bos"``, ``"obs"``, ``"act"``, ``"sum"`` or ``"sep"``."""
+        """Tokens of a context marker: ``"bos"``, ``"obs"``, ``"act"``, ``"sum"``, ``"sep"``
+        or ``"shot"`` (a worked example after the preamble: none for word-level models)."""
+        if name == "shot":
+            return []
         return [{"bos": self.bos_id, "obs": self.obs_id, "act": self.act_id,
                  "sum": self.sum_id, "sep": self.sep_id}[name]]
+
+    @property
+    def stop_ids(self) -> frozenset[int]:
+        """Tokens that end an action (included in it, as ``<eos>`` is): ``<eos>`` here."""
+        return frozenset({self.eos_id})
+
+    def format_observation(self, observation: str) -> str:
+        """The observation as this model reads it best (as is, for word-level models)."""
+        return observation
 
     @staticmethod
     def from_json(text: str) -> BaseTokenizer:

@@ -224,7 +224,7 @@ class CausalLMPolicy(Policy):
         n_new = params.max_action_tokens
         width = self._check(contexts, n_new)
         gen = torch.Generator().manual_seed(seed) if seed is not None else self._generator
-        eos = self.tokenizer.eos_id
+        stops = torch.tensor(sorted(self.tokenizer.stop_ids), device=self.device)
         with self._lock, torch.inference_mode():
             ids, mask = _left_pad(contexts, width, self.tokenizer.pad_id)
             ids = torch.cat([ids, torch.full((len(contexts), n_new), self.tokenizer.pad_id)], 1)
@@ -259,11 +259,12 @@ class CausalLMPolicy(Policy):
                         tokens[i].append(token)
                         behaviour[i].append(b_lp)
                         raw[i].append(r_lp)
-                live &= choice != eos
+                live &= ~torch.isin(choice, stops)
                 if not live.any():
                     break
         return [Action(tokens=t, logprobs=b, policy_logprobs=r, policy_version=self.version,
-                       text=self.tokenizer.decode(t)) for t, b, r in zip(tokens, behaviour, raw)]
+                       text=self.tokenizer.decode(t).strip())
+                for t, b, r in zip(tokens, behaviour, raw)]
 
     def evaluate(self, contexts: list[list[int]], actions: list[list[int]]) -> EvalOutput:
         if len(contexts) != len(actions):

@@ -113,7 +113,7 @@ class VLLMPolicy(Policy):
         return self._vllm.SamplingParams(
             n=1, temperature=0.0 if params.greedy else params.temperature,
             top_p=1.0 if params.greedy else params.top_p, max_tokens=params.max_action_tokens,
-            stop_token_ids=[self.tokenizer.eos_id], logprobs=0, seed=seed,
+            stop_token_ids=sorted(self.tokenizer.stop_ids), logprobs=0, seed=seed,
             allowed_token_ids=self.allowed_token_ids, skip_special_tokens=True)
 
     def act_batch(self, contexts: list[list[int]], params: SamplingParams,
@@ -137,7 +137,7 @@ class VLLMPolicy(Policy):
                             for tok, step in zip(tokens, completion.logprobs)]
             actions.append(Action(tokens=tokens, logprobs=logprobs,
                                   policy_logprobs=list(logprobs) if same else [],
-                                  text=self.tokenizer.decode(tokens),
+                                  text=self.tokenizer.decode(tokens).strip(),
                                   policy_version=self.version))
         return actions
 

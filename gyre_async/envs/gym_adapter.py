@@ -42,9 +42,9 @@ from typing import Any
 
 from gyre_async.envs.base import Env, EnvVocabulary, StepResult
 from gyre_async.envs.text_games import BASE_WORDS, AdmissibleMode, snap_action, words
-from schemas.hint import present_hint
 from gyre_async.imports import import_callable
 from schemas.events import Milestone
+from schemas.hint import present_hint
 
 #: Random-action episodes played to collect observation words, and their step cap.
 VOCAB_EPISODES, VOCAB_MAX_STEPS = 8, 200

@@ -8,9 +8,10 @@ A context is, in this order::
 ``shot`` is the tokenizer's worked example (a chat model is shown one exchange in the
 answer format it must keep; word-level models have none), and each observation is put as
 the tokenizer reads it best (``format_observation``: a chat model gets the valid commands
-as a list after the game's text). It ends with ``<act>``: the policy generates the action right after it. Only the last
-``history_turns`` turns are ever looked at, so building costs O(history_turns), not
-O(trajectory length). When the window is too small, the oldest material goes first:
+as a list after the game's text). It ends with ``<act>``: the policy generates the action
+right after it. Only the last ``history_turns`` turns are ever looked at, so building
+costs O(history_turns), not O(trajectory length). When the window is too small, the
+oldest material goes first:
 
 1. the current observation always stays (if it alone is too long, its oldest words go);
 2. the summary gets at most ``summary_max_tokens`` (its newest tokens are kept), when room

@@ -76,7 +76,8 @@ def test_smollm2_policy_runs_the_loop(tmp_path):
     assert steps and all(max(s.context_tokens) < tok.vocab_size for s in steps)
     assert tok.decode(steps[0].context_tokens, skip_special=False).endswith(
         "<|im_start|>assistant\n")
-    assert all(tok.decode(s.action_tokens) == s.action_text for s in steps)
+    # the text the game gets is the decoded action, its end-of-line stop trimmed
+    assert all(tok.decode(s.action_tokens).strip() == s.action_text for s in steps)
 
     # The last checkpoint loads back identically, and training moved the weights.
     store = CheckpointStore(f"{tmp_path}/run/checkpoints")

@@ -30,6 +30,7 @@ value head train, and checkpoints hold only those, naming the base they apply to
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
@@ -122,7 +123,6 @@ class HFTokenizer(BaseTokenizer):
             else self.pad_id
         self.special_ids = frozenset(hf_tokenizer.all_special_ids)
         self.markers = CHATML_MARKERS if self.chat else PLAIN_MARKERS
-        self._stop_ids: frozenset[int] | None = None
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike[str]) -> HFTokenizer:
@@ -139,27 +139,23 @@ class HFTokenizer(BaseTokenizer):
     def marker(self, name: str) -> list[int]:
         if name == "bos" and "bos" not in self.markers:
             return [self.bos_id]
-        if name not in self.markers and name == "shot":
+        if name == "shot" and name not in self.markers:
             return []
         return self.encode(self.markers[name])
 
     def format_observation(self, observation: str) -> str:
         return chat_observation(observation) if self.chat else observation
 
-    @property
+    @functools.cached_property
     def stop_ids(self) -> frozenset[int]:
         """A chat model's command ends at its end-of-turn token or at a line break (the
         valid commands are listed one per line, and a small model goes on to copy the next
         line; the break ends the command, as the game reads one line)."""
-        if self._stop_ids is None:
-            stops = {self.eos_id}
-            if self.chat:
-                for token, i in self.hf.get_vocab().items():
-                    if i not in self.special_ids and "\n" in self.hf.convert_tokens_to_string(
-                            [token]):
-                        stops.add(i)
-            self._stop_ids = frozenset(stops)
-        return self._stop_ids
+        if not self.chat:
+            return frozenset({self.eos_id})
+        return frozenset({self.eos_id} | {
+            i for token, i in self.hf.get_vocab().items()
+            if i not in self.special_ids and "\n" in self.hf.convert_tokens_to_string([token])})
 
     def to_json(self) -> str:
         return json.dumps({"kind": "hf", "path": self.path})

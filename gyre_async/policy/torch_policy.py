@@ -174,6 +174,7 @@ class CausalLMPolicy(Policy):
             allowed[list(tokenizer.special_ids)] = False
         allowed[tokenizer.eos_id] = True
         self.allowed = allowed
+        self.stops = torch.tensor(sorted(tokenizer.stop_ids))  # tokens that end an action
         self.device = torch.device("cpu")  # where the model's weights are (see ``to``)
         self._generator = torch.Generator().manual_seed(seed)
         self._lock = threading.RLock()
@@ -188,6 +189,7 @@ class CausalLMPolicy(Policy):
             self.model.to(device=device, dtype=dtype)
             self.device = torch.device(device)
             self.allowed = self.allowed.to(self.device)
+            self.stops = self.stops.to(self.device)
         return self
 
     @property
@@ -224,7 +226,6 @@ class CausalLMPolicy(Policy):
         n_new = params.max_action_tokens
         width = self._check(contexts, n_new)
         gen = torch.Generator().manual_seed(seed) if seed is not None else self._generator
-        stops = torch.tensor(sorted(self.tokenizer.stop_ids), device=self.device)
         with self._lock, torch.inference_mode():
             ids, mask = _left_pad(contexts, width, self.tokenizer.pad_id)
             ids = torch.cat([ids, torch.full((len(contexts), n_new), self.tokenizer.pad_id)], 1)
@@ -259,7 +260,7 @@ class CausalLMPolicy(Policy):
                         tokens[i].append(token)
                         behaviour[i].append(b_lp)
                         raw[i].append(r_lp)
-                live &= ~torch.isin(choice, stops)
+                live &= ~torch.isin(choice, self.stops)
                 if not live.any():
                     break
         return [Action(tokens=t, logprobs=b, policy_logprobs=r, policy_version=self.version,

@@ -100,6 +100,7 @@ class VLLMPolicy(Policy):
         self.seed = seed
         allowed = [i for i in range(tokenizer.vocab_size) if i not in tokenizer.special_ids]
         self.allowed_token_ids = sorted({*allowed, tokenizer.eos_id})
+        self.stop_token_ids = sorted(tokenizer.stop_ids)
         self._serving: Path | None = serving_copy(self.model_path)  # None once closed
         self._staging: Path | None = None
         try:
@@ -113,7 +114,7 @@ class VLLMPolicy(Policy):
         return self._vllm.SamplingParams(
             n=1, temperature=0.0 if params.greedy else params.temperature,
             top_p=1.0 if params.greedy else params.top_p, max_tokens=params.max_action_tokens,
-            stop_token_ids=sorted(self.tokenizer.stop_ids), logprobs=0, seed=seed,
+            stop_token_ids=self.stop_token_ids, logprobs=0, seed=seed,
             allowed_token_ids=self.allowed_token_ids, skip_special_tokens=True)
 
     def act_batch(self, contexts: list[list[int]], params: SamplingParams,

@@ -46,8 +46,8 @@ over their ``T_sample + T_learn``), and ``achieved_over_bound`` = achieved_round
 which is async's steps/s over the ideal ``steps_per_update / max(T_sample_busy, T_learn)``.
 The span-based ratio (``achieved_span_over_bound``) mixes in what the rounds leave out:
 round 0 (it also pays the initial validation) and a round cut by the end of the run, so
-with 2-3 rounds it moved by ~0.1 between runs. Sync trains every step it samples; async may sample steps the
-learner then drops as too stale, so ``achieved_trained`` compares trained steps/s (the
+with 2-3 rounds it moved by ~0.1 between runs. Sync trains every step it samples; async
+may sample steps the learner then drops as too stale, so ``achieved_trained`` compares trained steps/s (the
 newest version's ``env_steps`` over the time from version 0 to it) as well: where
 sampling outruns the learner, the sampled ratio can exceed the bound and only the trained
 one means anything. The bound assumes sampling and learning use separate resources; on a

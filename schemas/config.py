@@ -372,7 +372,10 @@ class EvaluatorConfig(Strict):
     episodes: int = 32
     """Validation episodes (seeds from task.eval_seed_start)."""
     greedy: bool = True
-    """Greedy decoding (else sampled at temperature 1)."""
+    """Greedy decoding (else sampled at ``temperature``)."""
+    temperature: float = 1.0
+    """Sampling temperature of validation episodes when ``greedy`` is off (the same for every
+    version, so their figures compare)."""
     seeds: list[int] = []
     """The validation set's seeds (game / variation indices of the validation split).
     Empty: ``episodes`` seeds from ``task.eval_seed_start``."""

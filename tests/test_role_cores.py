@@ -87,3 +87,29 @@ def test_cut_all_closes_open_segments_as_length_cuts_and_frees_the_floor():
     assert core.commit_floor() == {} and core.open == {}
     assert core.add(step("a", 3), (0, 13)) == []  # a later step opens a new segment at 3
     assert core.open["a"].steps[0].step_index == 3
+
+
+def test_sampled_validation_uses_the_evaluators_temperature(tiny):
+    """``evaluator.temperature`` reaches the policy (every version validated alike)."""
+    import asyncio
+
+    from gyre_async.compose import build_policy, build_tokenizer
+    from gyre_async.core.evaluation import evaluate
+    from gyre_async.core.rollout import PolicyHolder
+    from gyre_async.policy.context import ContextBuilder
+
+    cfg = tiny.config(evaluator={"temperature": 0.3, "greedy": False, "episodes": 2})
+    tok = build_tokenizer(cfg)
+    policy = build_policy(cfg, tok)
+    seen: list[tuple[float, bool]] = []
+    act_batch = policy.act_batch
+
+    def recording(contexts, params, seed=None):
+        seen.append((params.temperature, params.greedy))
+        return act_batch(contexts, params, seed)
+
+    policy.act_batch = recording  # the real policy acts; the wrapper only records
+    builder = ContextBuilder(tok, cfg.policy.context_tokens, cfg.policy.history_turns)
+    result = asyncio.run(evaluate(cfg, PolicyHolder(policy, 0), builder, None, False))
+    assert result["episodes"] == 2 and seen
+    assert set(seen) == {(0.3, False)}

@@ -45,7 +45,8 @@ def validation_set(cfg: Config, episodes: int | None = None) -> list[tuple[str, 
 async def evaluate(cfg: Config, holder: PolicyHolder, builder: ContextBuilder,
                    episodes: int | None, greedy: bool) -> dict:
     """Run the validation episodes concurrently with one batched policy; summarise them."""
-    params = SamplingParams(temperature=1.0, max_action_tokens=cfg.policy.max_action_tokens,
+    params = SamplingParams(temperature=cfg.evaluator.temperature,
+                            max_action_tokens=cfg.policy.max_action_tokens,
                             greedy=greedy)
     plan = validation_set(cfg, episodes)
     env_config = {**cfg.task.env_config, **cfg.evaluator.env_config}

@@ -40,6 +40,7 @@ import math
 import os
 import resource
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -59,6 +60,19 @@ from gyre_async.runtime.loop import run_loop  # noqa: E402
 from schemas.config import Config  # noqa: E402
 from schemas.events import PolicyVersion, TrajectoryStep  # noqa: E402
 from schemas.topics import POLICY_VERSION, TRAJECTORY_STEP  # noqa: E402
+
+#: acting and validation temperature (see docs/llm.md for the base-model probe that chose it)
+TEMPERATURE = 0.7
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory (``VmHWM``: unlike ``ru_maxrss``, not inherited
+    from the parent across fork+exec)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return round(int(line.split()[1]) / 1024, 1)
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
 
 
 def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -84,13 +98,13 @@ def bench_config(args: argparse.Namespace) -> Config:
         policy=s(cfg.policy, backend="hf", model="smollm2", context_tokens=args.context_tokens,
                  history_turns=args.history_turns, max_action_tokens=args.max_action_tokens,
                  lora=s(cfg.policy.lora, rank=args.lora_rank, alpha=2.0 * args.lora_rank)),
-        sampler=s(cfg.sampler, num_envs=args.num_envs, temperature=1.0, group_size=1,
-                  step_timeout_s=300.0),
+        sampler=s(cfg.sampler, num_envs=args.num_envs, temperature=args.temperature,
+                  group_size=1, step_timeout_s=300.0),
         segmenter=s(cfg.segmenter, max_segment_steps=args.max_steps),
         learner=s(cfg.learner, batch_steps=args.batch_steps, minibatch_steps=args.minibatch_steps,
                   epochs=args.epochs, learning_rate=args.learning_rate, max_versions=0),
         evaluator=s(cfg.evaluator, every_versions=args.eval_every,
-                    greedy=args.decoding == "greedy",
+                    greedy=args.decoding == "greedy", temperature=args.temperature,
                     seeds=list(range(args.eval_episodes)),
                     env_config={"split": "valid", "games": args.eval_episodes}),
         loop=s(cfg.loop, max_wall_s=args.minutes * 60, max_staleness=2),
@@ -237,7 +251,7 @@ def acting_tokens_per_s(cfg: Config, policy, model_dir: str, contexts) -> tuple[
     return gyre, raw
 
 
-def plot(curve: list[dict], base: dict, path: str) -> None:
+def plot(curve: list[dict], base: dict, path: str, warm: dict | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -246,8 +260,11 @@ def plot(curve: list[dict], base: dict, path: str) -> None:
     fig, ax = plt.subplots(1, 2, figsize=(10, 3.6))
     versions = [e["version"] for e in curve]
     for axis, key in zip(ax, ("success", "score")):
-        axis.plot(versions, [e[key] for e in curve], "o-", label="Gyre online RL (LoRA)")
-        axis.axhline(base[key], color="gray", ls=":", label="base model")
+        axis.plot(versions, [e[key] for e in curve], "o-", label="(c) Gyre online RL (LoRA)")
+        axis.axhline(base[key], color="gray", ls=":", label="(a) base model")
+        if warm is not None:
+            axis.axhline(warm[key], color="tab:green", ls="--",
+                         label="(b) after warm-start (version 0)")
         axis.set_xlabel("policy version")
         axis.set_ylabel(f"validation {key}")
         axis.legend(fontsize=7)
@@ -256,24 +273,86 @@ def plot(curve: list[dict], base: dict, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def prepare_games(args: argparse.Namespace) -> None:
+    """Generate every game the run will play (``tw-make``, cached) before any clock starts."""
+    from gyre_async.envs.textworld_env import game_path
+
+    settings = {"recipe": args.recipe, "take": args.take, "go": args.go, "open_": False,
+                "cook": False, "cut": False}
+    for split, count in (("train", args.train_games), ("valid", args.eval_episodes)):
+        for k in range(1, count + 1):  # the adapter plays game 1 + seed % games
+            game_path(split, k, **settings)
+
+
+def warm_start(cfg: Config, args: argparse.Namespace) -> dict:
+    """(b) behaviour cloning on the walkthroughs of ``--warmstart-demos`` training games,
+    published as the run's version 0 (``gyre warmstart``'s own functions)."""
+    from gyre_async.offline.warmstart import publish_warmstart, warm_policy
+
+    s = msgspec.structs.replace
+    cfg = s(cfg, warmstart=s(cfg.warmstart, gold_episodes=args.warmstart_demos,
+                             epochs=args.warmstart_epochs,
+                             learning_rate=args.warmstart_learning_rate,
+                             batch_steps=args.minibatch_steps))
+    policy, stats = warm_policy(cfg)
+    os.makedirs(cfg.run.run_dir, exist_ok=True)
+    asyncio.run(publish_warmstart(cfg, policy, stats))
+    return {k.removeprefix("bc/"): round(v, 4) for k, v in stats.items()}
+
+
+def compare(cfg: Config, args: argparse.Namespace) -> dict:
+    """The side-by-side speed figures, on the finished run's own segments and event log (run
+    in a fresh process: its models do not share memory with the run's)."""
+    from gyre_async.policy.smollm2 import ensure_converted
+
+    model_dir = str(ensure_converted())
+    policy = build_policy(cfg, build_tokenizer(cfg))
+    delays = asyncio.run(publish_to_act(f"sqlite:///{cfg.run.run_dir}/events.db",
+                                        cfg.run.run_id))
+    contexts, actions, logps = run_pairs(f"{cfg.run.run_dir}/segments.zarr",
+                                         cfg.learner.batch_steps)
+    gyre_learn = gyre_update_tokens_per_s(cfg, policy, contexts, actions, logps)
+    raw_learn = raw_update_tokens_per_s(cfg, model_dir, contexts, actions)
+    gyre_act, raw_act = acting_tokens_per_s(cfg, policy, model_dir,
+                                            contexts[:cfg.sampler.num_envs])
+    return {"learner_tokens_per_s": round(gyre_learn, 1),
+            "raw_learner_tokens_per_s": round(raw_learn, 1),
+            "learner_vs_raw": round(gyre_learn / raw_learn, 3),
+            "gyre_acting_tokens_per_s": round(gyre_act, 2),
+            "raw_generate_tokens_per_s": round(raw_act, 2),
+            "torch_vs_raw_generate": round(gyre_act / raw_act, 3),
+            "publish_to_act_s": round(statistics.median(delays), 2) if delays else None,
+            "pairs": len(contexts),
+            "peak_rss_mb": peak_rss_mb()}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/bench-llm", help="run directory, PNG, results")
-    p.add_argument("--minutes", type=float, default=60.0, help="online RL wall clock (<= 75)")
+    p.add_argument("--minutes", type=float, default=75.0,
+                   help="wall clock of (b) warm-start plus (c) online RL (<= 75)")
     p.add_argument("--base-only", action="store_true", help="measure the base model only")
+    p.add_argument("--compare", action="store_true", help=argparse.SUPPRESS)  # child process
     p.add_argument("--recipe", type=int, default=1)
     p.add_argument("--take", type=int, default=1)
     p.add_argument("--go", type=int, default=1)
-    p.add_argument("--max-steps", type=int, default=20, help="episode cap")
+    p.add_argument("--max-steps", type=int, default=40, help="episode cap")
     p.add_argument("--admissible", default="hint", choices=["off", "hint"],
                    help="valid commands as a hint, or none (the model's own text either way)")
     p.add_argument("--train-games", type=int, default=64)
     p.add_argument("--eval-episodes", type=int, default=32, help="unseen valid games")
-    p.add_argument("--eval-every", type=int, default=8, help="policy versions per evaluation")
+    p.add_argument("--eval-every", type=int, default=4, help="policy versions per evaluation")
     p.add_argument("--decoding", default="sampled", choices=["sampled", "greedy"],
                    help="validation decoding, the same for every version (greedy, the base "
                         "model repeats one command: 0 of 8 games)")
+    p.add_argument("--temperature", type=float, default=TEMPERATURE,
+                   help="sampling temperature of acting and of (sampled) validation")
+    p.add_argument("--warmstart-demos", type=int, default=64,
+                   help="(b): training games whose walkthroughs are cloned before RL (0: RL "
+                        "from the base model)")
+    p.add_argument("--warmstart-epochs", type=int, default=1)
+    p.add_argument("--warmstart-learning-rate", type=float, default=5e-4)
     p.add_argument("--context-tokens", type=int, default=320)
     p.add_argument("--history-turns", type=int, default=0)
     p.add_argument("--max-action-tokens", type=int, default=12)
@@ -285,52 +364,59 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lora-rank", type=int, default=8)
     args = p.parse_args(argv)
     if args.minutes > 75:
-        p.error("--minutes: the issue's budget is at most 75 minutes of online RL")
+        p.error("--minutes: the issue's budget is at most 75 minutes (warm-start + online RL)")
     Path(args.out).mkdir(parents=True, exist_ok=True)
     cfg = bench_config(args)
-    from gyre_async.policy.smollm2 import ensure_converted
-
-    model_dir = str(ensure_converted())
+    if args.compare:
+        print(json.dumps(compare(cfg, args)))
+        return 0
+    prepare_games(args)
+    # (a) the base model: LoRA adapters start at zero, so a fresh policy is the base exactly
     policy = build_policy(cfg, build_tokenizer(cfg))
+    base = asyncio.run(validation(cfg, policy))
+    del policy
+    print(f"(a) base model on {base['episodes']} unseen games: {base}", flush=True)
     if args.base_only:
-        base = asyncio.run(validation(cfg, policy))
-        print(f"(a) base model on {base['episodes']} unseen games: {base}", flush=True)
         print(json.dumps({"bench": "llm", "base_only": True, "base_success": base["success"],
                           "base_score": base["score"], "eval_episodes": base["episodes"],
                           "settings": vars(args)}))
         return 0
+    if os.path.exists(cfg.run.run_dir):
+        raise SystemExit(f"{cfg.run.run_dir} exists: the bench starts a fresh run (use a new "
+                         "--out or remove it)")
     started = time.monotonic()
+    warm = warm_start(cfg, args) if args.warmstart_demos else None
+    warm_s = time.monotonic() - started
+    if warm is not None:
+        print(f"(b) warm-start on {args.warmstart_demos} walkthroughs in {warm_s:.0f} s: {warm}",
+              flush=True)
+    online_budget = args.minutes * 60 - warm_s
+    if online_budget < 60:
+        raise SystemExit(f"warm-start took {warm_s:.0f} s of the {args.minutes} minutes: "
+                         "no time left for online RL")
+    cfg = msgspec.structs.replace(cfg, loop=msgspec.structs.replace(cfg.loop,
+                                                                    max_wall_s=online_budget))
     summary = asyncio.run(run_loop(cfg, progress=False))
-    online_s = time.monotonic() - started
-    # peak so far: the base evaluation's model and every role of the run (one process);
-    # read before the side-by-side comparisons below load models of their own
-    run_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    # (a) is the run's own evaluation of version 0: LoRA adapters start at zero, so version
-    # 0 is the base model exactly, on the same episodes with the same decoding
-    base = next(({"success": e["success"], "score": e["score"]} for e in summary["evals"]
-                 if e["version"] == 0), None)
-    if base is None:
-        raise SystemExit("the run published no evaluation of version 0 (the base model)")
-    base["episodes"] = args.eval_episodes
-    print(f"(a) base model (version 0) on {args.eval_episodes} unseen games: {base}", flush=True)
+    online_s = time.monotonic() - started - warm_s
+    run_rss_mb = peak_rss_mb()
+    start = next(({"success": e["success"], "score": e["score"]} for e in summary["evals"]
+                  if e["version"] == 0), None)
     curve = [e for e in summary["evals"] if e["version"] > 0]
     best = max(curve, key=lambda e: (e["success"], e["score"])) if curve else None
     final = curve[-1] if curve else None
     n = base["episodes"]
     low, high = wilson(round(best["success"] * n), n) if best else (0.0, 0.0)
     print(f"(c) online RL: {summary['env_steps']} env steps, {summary['policy_versions']} "
-          f"versions in {online_s:.0f} s; final {final}, best {best} (95% CI "
-          f"{low:.3f}-{high:.3f})", flush=True)
-    delays = asyncio.run(publish_to_act(f"sqlite:///{cfg.run.run_dir}/events.db",
-                                        cfg.run.run_id))
-    contexts, actions, logps = run_pairs(f"{cfg.run.run_dir}/segments.zarr",
-                                         cfg.learner.batch_steps)
-    gyre_learn = gyre_update_tokens_per_s(cfg, policy, contexts, actions, logps)
-    raw_learn = raw_update_tokens_per_s(cfg, model_dir, contexts, actions)
-    gyre_act, raw_act = acting_tokens_per_s(cfg, policy, model_dir,
-                                            contexts[:cfg.sampler.num_envs])
+          f"versions in {online_s:.0f} s; version 0 {start}, final {final}, best {best} "
+          f"(95% CI {low:.3f}-{high:.3f})", flush=True)
+    child = subprocess.run([sys.executable, __file__, *(argv if argv is not None else
+                                                        sys.argv[1:]), "--compare"],
+                           capture_output=True, text=True)
+    if child.returncode != 0:
+        raise SystemExit(f"the comparison process failed:\n{child.stderr[-3000:]}")
+    cmp = json.loads(child.stdout.strip().splitlines()[-1])
     png = os.path.join(args.out, "llm.png")
-    plot(curve, base, png)
+    plot(curve, base, png, start if warm is not None else None)
     try:
         import vllm  # noqa: F401
         vllm_note = "vllm imports, but this bench does not drive it yet"
@@ -343,19 +429,21 @@ def main(argv: list[str] | None = None) -> int:
         "best_version": best["version"] if best else None,
         "best_success_ci_low": round(low, 4), "base_score": base["score"],
         "best_score": best["score"] if best else None, "eval_episodes": n,
+        "warmstart_success": start["success"] if warm is not None and start else None,
+        "warmstart_score": start["score"] if warm is not None and start else None,
+        "warmstart": warm, "warmstart_seconds": round(warm_s, 1),
         "env_steps": summary["env_steps"], "policy_versions": summary["policy_versions"],
         "online_seconds": round(online_s, 1),
-        "learner_tokens_per_s": round(gyre_learn, 1),
-        "raw_learner_tokens_per_s": round(raw_learn, 1),
-        "learner_vs_raw": round(gyre_learn / raw_learn, 3),
-        "acting_tokens_per_s": {"torch": round(gyre_act, 2), "vllm": None},
-        "raw_generate_tokens_per_s": round(raw_act, 2),
-        "torch_vs_raw_generate": round(gyre_act / raw_act, 3),
+        "learner_tokens_per_s": cmp["learner_tokens_per_s"],
+        "raw_learner_tokens_per_s": cmp["raw_learner_tokens_per_s"],
+        "learner_vs_raw": cmp["learner_vs_raw"],
+        "acting_tokens_per_s": {"torch": cmp["gyre_acting_tokens_per_s"], "vllm": None},
+        "raw_generate_tokens_per_s": cmp["raw_generate_tokens_per_s"],
+        "torch_vs_raw_generate": cmp["torch_vs_raw_generate"],
         "vllm_vs_raw": None, "vllm_note": vllm_note,
-        "publish_to_act_s": {"torch": round(statistics.median(delays), 2) if delays else None,
-                             "vllm": None},
-        "peak_rss_mb": {"gyre run, every role in one process (+ the base model)":
-                        round(run_rss_mb, 1)},
+        "publish_to_act_s": {"torch": cmp["publish_to_act_s"], "vllm": None},
+        "peak_rss_mb": {"base eval, warm-start, gyre run (every role, one process)": run_rss_mb,
+                        "comparisons (separate process)": cmp["peak_rss_mb"]},
         "png": png, "settings": vars(args),
     }
     with open(os.path.join(args.out, "result.json"), "w") as f:

@@ -268,6 +268,10 @@ class LearnerConfig(Strict):
     """Passes over each batch."""
     minibatch_steps: int = 256
     """Steps per gradient step."""
+    micro_steps: int = 0
+    """Rows per forward/backward pass inside a minibatch (gradient accumulation: the same
+    gradient, the activations of only this many rows held at once; for language models,
+    whose activations are ~2 MB per context token). 0: the whole minibatch in one pass."""
     gamma: float = 0.99
     """Discount."""
     lam: float = 0.95

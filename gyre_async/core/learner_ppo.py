@@ -71,7 +71,7 @@ class PpoEpochs:
                 mb = perm[start : start + settings.minibatch_steps]
                 mine = self.dp.owned(mb) if self.dp else mb
                 self.optimizer.zero_grad()
-                readings = (self._minibatch_loss(mine, len(mb), int(self.token_mask[mb].sum()))
+                readings = (self._accumulate(mine, len(mb), int(self.token_mask[mb].sum()))
                             if mine else dict.fromkeys(MINIBATCH_READINGS, 0.0))
                 if self.dp is not None:  # one all-reduce: gradients and readings
                     summed = self.dp.sum_gradients(params, list(readings.values()))
@@ -112,31 +112,49 @@ class PpoEpochs:
                 base[rows, : out.shape[1]] = out.float()
         return self.dp.sum(base) if self.dp else base
 
-    def _minibatch_loss(self, rows: list[int], mb_rows: int, mb_tokens: int
-                        ) -> dict[str, float]:
+    def _accumulate(self, rows: list[int], mb_rows: int, mb_tokens: int) -> dict[str, float]:
+        """The minibatch's gradient from ``rows`` (all of it, or this rank's share), in
+        forward/backward passes of at most ``micro_steps`` rows (gradient accumulation: the
+        activations held for backward are those of one micro-batch, so a large minibatch
+        fits in memory). Each pass is a share of the minibatch, as a rank's share is, so the
+        gradients and readings add up to those of one pass over ``rows``."""
+        micro = self.settings.micro_steps
+        if micro <= 0 or len(rows) <= micro:
+            return self._minibatch_loss(rows, mb_rows, mb_tokens, shared=self.dp is not None)
+        total = dict.fromkeys(MINIBATCH_READINGS, 0.0)
+        for start in range(0, len(rows), micro):
+            part = self._minibatch_loss(rows[start : start + micro], mb_rows, mb_tokens,
+                                        shared=True)
+            for key, val in part.items():
+                total[key] += val
+        return total
+
+    def _minibatch_loss(self, rows: list[int], mb_rows: int, mb_tokens: int, *,
+                        shared: bool) -> dict[str, float]:
         """Back-propagate the loss of ``rows``, a share of a minibatch of ``mb_rows`` steps
-        and ``mb_tokens`` action tokens: token means are taken over the minibatch's tokens
-        and step means over its steps, so the shares of all ranks add up to its loss.
-        Returns the readings (the loss's parts, the PPO statistics), each scaled likewise."""
+        and ``mb_tokens`` action tokens (``shared``: a rank's or a micro-batch's share;
+        else the whole minibatch): token means are taken over the minibatch's tokens and
+        step means over its steps, so the shares add up to its loss. Returns the readings
+        (the loss's parts, the PPO statistics), each scaled likewise."""
         settings, prep, dp = self.settings, self.prep, self.dp
         out = self.policy.evaluate([prep.contexts[i] for i in rows],
                                    [prep.actions[i] for i in rows])
         cols = out.logprobs.shape[1]
         mask = self.token_mask[rows, :cols]
-        token_share = int(mask.sum()) / max(mb_tokens, 1) if dp else 1.0
-        row_share = len(rows) / mb_rows if dp else 1.0
+        token_share = int(mask.sum()) / max(mb_tokens, 1) if shared else 1.0
+        row_share = len(rows) / mb_rows if shared else 1.0
         tok_adv = broadcast_step_advantages(self.adv_norm[rows], mask)
         policy_loss, policy_stats = ppo_policy_loss(
             out.logprobs, self.proximal[rows, :cols], self.behaviour[rows, :cols], tok_adv,
             mask, settings.clip_eps, settings.is_cap)
         critic_loss = value_loss(out.values.float(), prep.values[rows], prep.returns[rows],
                                  clip=settings.value_clip or None)
-        entropy = (out.entropy * mask).sum() / (max(mb_tokens, 1) if dp
+        entropy = (out.entropy * mask).sum() / (max(mb_tokens, 1) if shared
                                                 else mask.sum().clamp(min=1))
         kl = torch.zeros(())
         if self.base is not None:
             kl = kl_to_base(out.logprobs, self.base[rows, :cols], mask) / (
-                max(mb_tokens, 1) if dp else mask.sum().clamp(min=1))
+                max(mb_tokens, 1) if shared else mask.sum().clamp(min=1))
         loss = (token_share * policy_loss + settings.value_coef * row_share * critic_loss
                 - settings.entropy_coef * entropy + settings.kl_to_base * kl)
         if dp is None:  # a group checks the summed loss, on every rank alike

@@ -102,7 +102,8 @@ def bench_config(args: argparse.Namespace) -> Config:
                   group_size=1, step_timeout_s=300.0),
         segmenter=s(cfg.segmenter, max_segment_steps=args.max_steps),
         learner=s(cfg.learner, batch_steps=args.batch_steps, minibatch_steps=args.minibatch_steps,
-                  epochs=args.epochs, learning_rate=args.learning_rate, max_versions=0),
+                  epochs=args.epochs, learning_rate=args.learning_rate, max_versions=0,
+                  micro_steps=args.micro_steps),
         evaluator=s(cfg.evaluator, every_versions=args.eval_every,
                     greedy=args.decoding == "greedy", temperature=args.temperature,
                     seeds=list(range(args.eval_episodes)),
@@ -284,6 +285,30 @@ def prepare_games(args: argparse.Namespace) -> None:
             game_path(split, k, **settings)
 
 
+#: the settings (a) depends on: the same ones give the same validation episodes and decoding
+BASE_KEYS = ("recipe", "take", "go", "max_steps", "admissible", "eval_episodes", "decoding",
+             "temperature", "context_tokens", "history_turns", "max_action_tokens")
+
+
+def base_model(cfg: Config, args: argparse.Namespace) -> dict:
+    """(a) the base model's validation, measured once per settings and kept in
+    ``<out>/base.json`` (LoRA adapters start at zero, so a fresh policy is the base exactly;
+    with 40-step episodes it takes ~11 minutes here)."""
+    path = os.path.join(args.out, "base.json")
+    settings = {k: getattr(args, k) for k in BASE_KEYS}
+    if os.path.exists(path):
+        with open(path) as f:
+            kept = json.load(f)
+        if kept["settings"] == settings:
+            print(f"(a) measured before with these settings: {path}", flush=True)
+            return kept["base"]
+    policy = build_policy(cfg, build_tokenizer(cfg))
+    base = asyncio.run(validation(cfg, policy))
+    with open(path, "w") as f:
+        json.dump({"settings": settings, "base": base}, f, indent=2)
+    return base
+
+
 def warm_start(cfg: Config, args: argparse.Namespace) -> dict:
     """(b) behaviour cloning on the walkthroughs of ``--warmstart-demos`` training games,
     published as the run's version 0 (``gyre warmstart``'s own functions)."""
@@ -359,10 +384,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-envs", type=int, default=8)
     p.add_argument("--batch-steps", type=int, default=32)
     p.add_argument("--minibatch-steps", type=int, default=8)
+    p.add_argument("--micro-steps", type=int, default=2,
+                   help="rows per forward/backward (gradient accumulation; ~2 MB of "
+                        "activations per context token)")
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--learning-rate", type=float, default=2e-4)
     p.add_argument("--lora-rank", type=int, default=8)
     args = p.parse_args(argv)
+    if "MALLOC_ARENA_MAX" not in os.environ:
+        # Every role's torch work runs on its own worker thread, and glibc gives each thread
+        # an arena that keeps what it freed: with LLM activations (GBs per update) the run
+        # grew to 24 GB and was OOM-killed. Two arenas bound that; set before start-up.
+        os.execve(sys.executable, [sys.executable, __file__, *(argv if argv is not None
+                                                               else sys.argv[1:])],
+                  {**os.environ, "MALLOC_ARENA_MAX": "2"})
     if args.minutes > 75:
         p.error("--minutes: the issue's budget is at most 75 minutes (warm-start + online RL)")
     Path(args.out).mkdir(parents=True, exist_ok=True)
@@ -371,10 +406,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(compare(cfg, args)))
         return 0
     prepare_games(args)
-    # (a) the base model: LoRA adapters start at zero, so a fresh policy is the base exactly
-    policy = build_policy(cfg, build_tokenizer(cfg))
-    base = asyncio.run(validation(cfg, policy))
-    del policy
+    base = base_model(cfg, args)
     print(f"(a) base model on {base['episodes']} unseen games: {base}", flush=True)
     if args.base_only:
         print(json.dumps({"bench": "llm", "base_only": True, "base_success": base["success"],

@@ -6,12 +6,15 @@ to the game as typed. Compared on the same validation episodes (unseen games of 
 ``valid`` split), same prompt, same decoding (``--decoding``, sampled by default: greedy,
 the base model repeats one command and won 0 of 8 games):
 
-(a) the base model: the run's own evaluation of version 0 (LoRA adapters start at zero:
-    the base function exactly), and
-(c) after Gyre's online RL from (a), run asynchronously (``gyre run``'s loop) within
-    ``--minutes`` of wall clock (75 at most for the issue's budget).
+(a) the base model (LoRA adapters start at zero: a fresh policy is the base exactly; kept
+    in ``<out>/base.json`` per settings, as it takes ~11 minutes),
+(b) after ``gyre warmstart``'s behaviour cloning of the walkthroughs of ``--warmstart-demos``
+    training games, published as the run's version 0 (``--warmstart-demos 0``: none), and
+(c) after Gyre's online RL from (b), run asynchronously (``gyre run``'s loop); (b) and (c)
+    share ``--minutes`` of wall clock (75 at most for the issue's budget). Versions a keeper
+    rollback republishes are reported, not counted as (c).
 
-Side by side in the same process, on the same machine at the same moment:
+Side by side in one process started after the run, on the run's own segments and log:
 
 - ``learner_vs_raw``: Gyre's PPO update (decoupled PPO: a proximal forward pass, then
   ``epochs`` passes of minibatch forward+backward+step) over action/context pairs taken from
@@ -138,6 +141,16 @@ async def publish_to_act(url: str, run_id: str) -> list[float]:
             if v > 0 and v in first_act and first_act[v] >= ts]
 
 
+async def version_reasons(url: str, run_id: str) -> dict[int, str]:
+    """Why each policy version was published (``warmstart``, ``update``, ``rollback``...)."""
+    reasons: dict[int, str] = {}
+    async with open_bus(url) as bus:
+        async for _, e in read_events(bus, [POLICY_VERSION], on_bad="skip", run_id=run_id):
+            if isinstance(e, PolicyVersion):
+                reasons.setdefault(e.version, e.reason)
+    return reasons
+
+
 def run_pairs(store_url: str, limit: int) -> tuple[list[list[int]], list[list[int]], list]:
     """(context, action, behaviour log-probs) of steps from the run's own segments."""
     from gyre_async.storage.segments import SegmentStore
@@ -181,8 +194,8 @@ def gyre_update_tokens_per_s(cfg: Config, policy, contexts, actions, logps) -> f
 
 
 def raw_update_tokens_per_s(cfg: Config, model_dir: str, contexts, actions) -> float:
-    """Plain Hugging Face + peft: forward+backward+AdamW step over the same minibatches, for
-    the same number of passes."""
+    """Plain Hugging Face + peft: forward+backward+AdamW step over the same minibatches (and
+    the same micro-batches, gradients accumulated), for the same number of passes."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -195,20 +208,24 @@ def raw_update_tokens_per_s(cfg: Config, model_dir: str, contexts, actions) -> f
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
                                   lr=cfg.learner.learning_rate)
     mb = cfg.learner.minibatch_steps
+    micro = cfg.learner.micro_steps or mb  # the same micro-batches, gradients accumulated
     started = time.perf_counter()
     for _ in range(cfg.learner.epochs):
         for start in range(0, len(contexts), mb):
-            rows = [c + a for c, a in zip(contexts[start:start + mb], actions[start:start + mb])]
-            width = max(len(r) for r in rows)
-            ids = torch.zeros(len(rows), width, dtype=torch.long)
-            mask = torch.zeros(len(rows), width, dtype=torch.long)
-            labels = torch.full((len(rows), width), -100, dtype=torch.long)
-            for i, (row, c) in enumerate(zip(rows, contexts[start:start + mb])):
-                ids[i, :len(row)] = torch.tensor(row)
-                mask[i, :len(row)] = 1
-                labels[i, len(c):len(row)] = torch.tensor(row[len(c):])
-            loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-            loss.backward()
+            chunks = range(start, min(start + mb, len(contexts)), micro)
+            for lo in chunks:
+                hi = min(lo + micro, start + mb, len(contexts))
+                rows = [c + a for c, a in zip(contexts[lo:hi], actions[lo:hi])]
+                width = max(len(r) for r in rows)
+                ids = torch.zeros(len(rows), width, dtype=torch.long)
+                mask = torch.zeros(len(rows), width, dtype=torch.long)
+                labels = torch.full((len(rows), width), -100, dtype=torch.long)
+                for i, (row, c) in enumerate(zip(rows, contexts[lo:hi])):
+                    ids[i, :len(row)] = torch.tensor(row)
+                    mask[i, :len(row)] = 1
+                    labels[i, len(c):len(row)] = torch.tensor(row[len(c):])
+                loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+                (loss / len(chunks)).backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
     seconds = time.perf_counter() - started
@@ -433,7 +450,13 @@ def main(argv: list[str] | None = None) -> int:
     run_rss_mb = peak_rss_mb()
     start = next(({"success": e["success"], "score": e["score"]} for e in summary["evals"]
                   if e["version"] == 0), None)
-    curve = [e for e in summary["evals"] if e["version"] > 0]
+    # (c) counts the versions online RL made: a keeper rollback republishes old weights
+    reasons = asyncio.run(version_reasons(f"sqlite:///{cfg.run.run_dir}/events.db",
+                                          cfg.run.run_id))
+    curve = [e for e in summary["evals"] if e["version"] > 0
+             and reasons.get(e["version"]) == "update"]
+    restored = [{**e, "reason": reasons.get(e["version"])} for e in summary["evals"]
+                if e["version"] > 0 and reasons.get(e["version"]) != "update"]
     best = max(curve, key=lambda e: (e["success"], e["score"])) if curve else None
     final = curve[-1] if curve else None
     n = base["episodes"]
@@ -464,6 +487,8 @@ def main(argv: list[str] | None = None) -> int:
         "warmstart_success": start["success"] if warm is not None and start else None,
         "warmstart_score": start["score"] if warm is not None and start else None,
         "warmstart": warm, "warmstart_seconds": round(warm_s, 1),
+        "evals": [{**e, "reason": reasons.get(e["version"])} for e in summary["evals"]],
+        "not_counted": restored,
         "env_steps": summary["env_steps"], "policy_versions": summary["policy_versions"],
         "online_seconds": round(online_s, 1),
         "learner_tokens_per_s": cmp["learner_tokens_per_s"],

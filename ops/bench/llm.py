@@ -328,18 +328,16 @@ def base_model(cfg: Config, args: argparse.Namespace) -> dict:
 
 def warm_start(cfg: Config, args: argparse.Namespace) -> dict:
     """(b) behaviour cloning on the walkthroughs of ``--warmstart-demos`` training games,
-    published as the run's version 0 (``gyre warmstart``'s own functions)."""
-    from gyre_async.offline.warmstart import publish_warmstart, warm_policy
+    published as the run's version 0 (what ``gyre warmstart`` does)."""
+    from gyre_async.offline.warmstart import warmstart
 
     s = msgspec.structs.replace
     cfg = s(cfg, warmstart=s(cfg.warmstart, gold_episodes=args.warmstart_demos,
                              epochs=args.warmstart_epochs,
                              learning_rate=args.warmstart_learning_rate,
                              batch_steps=args.minibatch_steps))
-    policy, stats = warm_policy(cfg)
-    os.makedirs(cfg.run.run_dir, exist_ok=True)
-    asyncio.run(publish_warmstart(cfg, policy, stats))
-    return {k.removeprefix("bc/"): round(v, 4) for k, v in stats.items()}
+    done = asyncio.run(warmstart(cfg))
+    return {k.removeprefix("bc/"): round(v, 4) for k, v in done.items() if k.startswith("bc/")}
 
 
 def compare(cfg: Config, args: argparse.Namespace) -> dict:

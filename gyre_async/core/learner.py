@@ -291,7 +291,7 @@ class LearnerCore:
             global_adv = self.global_advantages(items)
         prep = prepare_batch(self.policy, items, settings.gamma, settings.lam, global_adv,
                              settings.credit, settings.fusion_max_weight,
-                             bootstrap_failed=settings.mask_failed)
+                             bootstrap_failed=settings.mask_failed, with_logprobs=True)
         ids = [it.scored.segment_id for it in items]
         check_batch_finite({sid: {"rewards": it.scored.step_rewards,
                                   "action_logprobs": it.arrays["action_logprobs"]}

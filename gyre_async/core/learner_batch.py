@@ -69,6 +69,9 @@ class PreparedBatch:
     fusion_weights: list[float]  # weight of the global outcome advantage, one per segment
     global_known: int = 0  # segments whose trajectory outcome was known
     failed_segments: int = 0  # last segments of failed episodes (bootstrapped, no outcome)
+    #: [n, longest action] log-probs of the actions under the weights that made ``values``
+    #: (the decoupled-PPO proximal policy), read off the same forward pass; None: not taken
+    proximal_logprobs: torch.Tensor | None = None
 
     def credit_stats(self) -> dict[str, float]:
         weights = self.fusion_weights or [0.0]
@@ -94,13 +97,32 @@ def _rows(tokens: np.ndarray, lengths: np.ndarray) -> list[list[int]]:
     return [tokens[i, : int(lengths[i])].tolist() for i in range(len(lengths))]
 
 
+def values_and_logprobs(policy, contexts: list[list[int]], actions: list[list[int]],
+                        chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """Values of ``contexts`` and log-probs [n, longest action] of ``actions``, from one
+    forward pass without grad (the value is read at the last context token, before the
+    action, so it is the value :meth:`values` gives)."""
+    n, width = len(contexts), max((len(a) for a in actions), default=1)
+    values, logprobs = torch.zeros(n), torch.zeros(n, width)
+    with torch.no_grad():
+        for start in range(0, n, chunk):
+            rows = list(range(start, min(n, start + chunk)))
+            out = policy.evaluate([contexts[i] for i in rows], [actions[i] for i in rows])
+            values[rows] = out.values.float()
+            logprobs[rows, : out.logprobs.shape[1]] = out.logprobs.float()
+    return values, logprobs
+
+
 def prepare_batch(policy, items: Sequence[BatchItem], gamma: float, lam: float,
                   global_adv: list[float] | None = None, credit: CreditMode = "gae",
-                  w_max: float = 0.8, bootstrap_failed: bool = True) -> PreparedBatch:
+                  w_max: float = 0.8, bootstrap_failed: bool = True,
+                  with_logprobs: bool = False) -> PreparedBatch:
     """Values under ``policy``, GAE inside each segment bootstrapped at its boundary, fused
     with the per-segment global outcome advantage (``global_adv``, NaN: unknown; see
     ``gyre_async.rl.fusion``). ``bootstrap_failed`` (``learner.mask_failed``): a failed
     episode's last segment always bootstraps (:meth:`BatchItem.bootstrap_context`).
+    ``with_logprobs``: the values' forward pass also yields the actions' log-probs (the
+    learner's proximal policy), so the update needs no second pass over the batch.
 
     Pure given the policy weights and the segments: ``gyre replay learner`` calls it with
     the parent checkpoint to re-derive exactly the advantages each update used.
@@ -117,8 +139,13 @@ def prepare_batch(policy, items: Sequence[BatchItem], gamma: float, lam: float,
         behaviour += [arrays["action_logprobs"][i, : int(act_len[i])].tolist()
                       for i in range(len(act_len))]
         rewards += list(item.scored.step_rewards)
+    proximal = None
+    if with_logprobs:
+        values, proximal = values_and_logprobs(policy, contexts, actions)
+    else:
+        with torch.no_grad():
+            values = policy.values(contexts).float()
     with torch.no_grad():
-        values = policy.values(contexts).float()
         boots = [it.bootstrap_context(bootstrap_failed) for it in items]
         need = [i for i, b in enumerate(boots) if b and not items[i].terminal]
         boot_values = torch.zeros(len(items))
@@ -147,4 +174,4 @@ def prepare_batch(policy, items: Sequence[BatchItem], gamma: float, lam: float,
                          fused2d[k_index, t_index], ret2d[k_index, t_index],
                          adv2d[k_index, t_index], weights.tolist(),
                          int((~torch.isnan(outcome)).sum()),
-                         sum(1 for it in items if it.scored.failure))
+                         sum(1 for it in items if it.scored.failure), proximal)

@@ -51,7 +51,10 @@ class PpoEpochs:
         for i, logprobs in enumerate(prep.behaviour_logprobs):
             self.behaviour[i, : len(logprobs)] = torch.tensor(logprobs)
             self.token_mask[i, : len(logprobs)] = True
-        self.proximal = self._proximal_logprobs(width)
+        # The proximal policy is the weights before this update: the values' forward pass
+        # read its log-probs off already (prepare_batch's with_logprobs); else one pass here.
+        self.proximal = (prep.proximal_logprobs[:, :width] if prep.proximal_logprobs is not None
+                         else self._proximal_logprobs(width))
         self.base = self._base_logprobs(width) if settings.kl_to_base > 0 else None
         check_batch_finite({}, {"proximal_logprobs": self.proximal}, ids)
 

@@ -122,11 +122,14 @@ def test_a_restarted_sampler_continues_the_episodes_its_predecessor_left_open(tm
             await bus.publish(POLICY_VERSION, [(v1.key.encode(), encode(v1))])
             open_ids = set(_by_trajectory(before))
 
-            async def resumed_all_ended(core):
-                ended = {e.trajectory_id for e in await _steps_of(bus)
+            async def resumed_all_ended(core):  # ... and one episode of its own begun
+                steps = await _steps_of(bus)
+                ended = {e.trajectory_id for e in steps
                          if isinstance(e, EnvError)
                          or (isinstance(e, TrajectoryStep) and (e.done or e.truncated))}
-                return open_ids <= ended
+                own = any(isinstance(e, TrajectoryStep) and e.trajectory_id not in open_ids
+                          for e in steps if e.trajectory_id.split("-")[1] == core.incarnation)
+                return open_ids <= ended and own
 
             second = await _incarnation(cfg, bus, until=resumed_all_ended)
             return first, second, before, await _steps_of(bus)

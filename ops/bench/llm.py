@@ -290,7 +290,8 @@ def task_name(args: argparse.Namespace) -> str:
 
 
 def plot(curve: list[dict], base: dict, path: str, warm: dict | None = None,
-         restored: list[dict] | None = None, task: str = "TextWorld cooking") -> None:
+         restored: list[dict] | None = None, task: str = "TextWorld cooking",
+         again: dict | None = None) -> None:
     """Success and score per version; the (c) line breaks where a keeper rollback
     republished old weights (those versions drawn apart, not joined to the updates)."""
     import matplotlib
@@ -317,6 +318,9 @@ def plot(curve: list[dict], base: dict, path: str, warm: dict | None = None,
         if warm is not None:
             axis.axhline(warm[key], color="tab:green", ls="--",
                          label="(b) after warm-start (version 0)")
+        elif again is not None:  # no warm start: version 0 is the base, measured a 2nd time
+            axis.plot([0], [again[key]], "s", color="gray",
+                      label="(a) again: version 0 in the run (sampling noise)")
         axis.set_xlabel("policy version")
         axis.set_ylabel(f"validation {key}")
         axis.legend(fontsize=7)
@@ -522,7 +526,7 @@ def main(argv: list[str] | None = None) -> int:
     cmp = json.loads(child.stdout.strip().splitlines()[-1])
     png = os.path.join(args.out, "llm.png")
     plot(curve, base, png, start if warm is not None else None, restored,
-         task_name(args))
+         task_name(args), start if warm is None else None)
     try:
         import vllm  # noqa: F401
         vllm_note = "vllm imports, but this bench does not drive it yet"

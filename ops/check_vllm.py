@@ -98,6 +98,11 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--context-tokens", type=int, default=192)
     parser.add_argument("--action-tokens", type=int, default=8)
+    parser.add_argument("--lora-rank", type=int, default=0,
+                        help="> 0: check LoRA instead of full weights: the learner trains "
+                             "peft adapters and each version reaches vLLM as a new adapter")
+    parser.add_argument("--learning-rate", type=float, default=None,
+                        help="the one Adam step (default 1e-4 full weights, 1e-3 adapters)")
     args = parser.parse_args()
     t0 = time.monotonic()
 
@@ -110,15 +115,18 @@ def main() -> int:
     from gyre_async.policy.smollm2 import ensure_converted
     from gyre_async.policy.vllm_policy import VLLMPolicy
     from gyre_async.storage.checkpoints import CheckpointStore
+    from schemas.config import LoraSection
 
     model_dir = ensure_converted()
     log(f"model directory {model_dir} ({time.monotonic() - t0:.0f}s)")
-    learner = HFPolicy.from_pretrained(model_dir, seed=0)
+    lora = LoraSection(rank=args.lora_rank) if args.lora_rank > 0 else None
+    learning_rate = args.learning_rate or (1e-3 if lora else 1e-4)
+    learner = HFPolicy.from_pretrained(model_dir, seed=0, lora=lora)
     tok = learner.tokenizer
     started = time.monotonic()
     sampler = VLLMPolicy(model_dir, tok, seed=0,
                          max_model_len=args.context_tokens + args.action_tokens + 1,
-                         enforce_eager=True)
+                         enforce_eager=True, lora=lora)
     engine_s = time.monotonic() - started
     log(f"vLLM engine up in {engine_s:.0f}s")
     builder = ContextBuilder(tok, args.context_tokens, history_turns=1)
@@ -135,7 +143,7 @@ def main() -> int:
     # Adam at 1e-4 moves log-probs by tenths of a nat and keeps the model sane; a much larger
     # step wrecks it, and in a wrecked model's huge logits float32 noise alone exceeds 1e-3).
     before = {k: v.detach().clone() for k, v in learner.state_dict().items()}
-    optimizer = torch.optim.Adam(learner.parameters(), lr=1e-4)
+    optimizer = torch.optim.Adam(learner.parameters(), lr=learning_rate)
     out = learner.evaluate(contexts, [a.tokens for a in actions])
     (-(out.logprobs.sum()) / out.mask.sum()).backward()
     optimizer.step()
@@ -153,6 +161,16 @@ def main() -> int:
     except Exception as exc:  # noqa: BLE001 - any refusal is what we want
         refused = "sha256" in str(exc)
     log(f"a checkpoint with the wrong sha256 is refused: {refused}")
+    if lora is not None:  # an adapter made for another base model must be refused too
+        from gyre_async.policy.base import CheckpointMismatch
+
+        tensors, meta = store.load(ref.address, ref.sha256)
+        try:
+            sampler.load_checkpoint(tensors, {**meta, "base_model": "0" * 16}, ref.address)
+            refused = False
+        except CheckpointMismatch as exc:
+            log(f"an adapter for another base is refused: {exc}")
+            refused = refused and "base model" in str(exc)
 
     actions_v1 = sampler.act_batch(contexts, raw, seed=1000)
     diff_v1 = compare(learner, contexts, actions_v1)
@@ -177,6 +195,7 @@ def main() -> int:
         "v1_vs_old_weights_max": max(diff_old), "tokens_compared":
         len(diff_v0) + len(diff_v1) + len(diff_t), "engine_start_s": round(engine_s, 1),
         "reload_s": round(reload_s, 1), "wall_s": round(time.monotonic() - t0, 1),
+        "lora_rank": args.lora_rank,
     }
     log(f"log-prob agreement: max |vLLM - torch| = {worst:.2e} nats over "
         f"{summary['tokens_compared']} tokens (tolerance {TOLERANCE:.0e}): "

@@ -192,3 +192,44 @@ def test_the_base_is_the_policy_with_its_adapters_disabled(base_dir, tiny):
         plain.base_logprobs(contexts, actions)
     with pytest.raises(ConfigError, match="kl_to_base"):
         validate(tiny.config(learner={"kl_to_base": 0.1}))
+
+
+def test_an_adapter_checkpoint_written_as_a_peft_folder_loads_in_peft_and_acts_the_same(
+        base_dir, tmp_path):
+    """What a vLLM sampler serves per version (``write_adapter_folder``) is an ordinary peft
+    adapter: ``PeftModel.from_pretrained`` on the base gives the policy's log-probs; and the
+    base fingerprint read from the model directory (no model built) is the policy's."""
+    import peft
+
+    from gyre_async.policy.lora import base_fingerprint_of_dir, write_adapter_folder
+
+    policy = HFPolicy.from_pretrained(base_dir, seed=1, lora=LORA)
+    train_step(policy)
+    store = CheckpointStore(str(tmp_path / "checkpoints"))
+    ref = save_weights(store, policy, 1)
+    tensors, meta = store.load(ref.address, ref.sha256)
+    adapter = {k: v for k, v in tensors.items() if not k.startswith(VALUE_HEAD)}
+    folder = write_adapter_folder(tmp_path / "adapter", adapter, meta)
+    assert json.loads((folder / "adapter_config.json").read_text())["r"] == LORA.rank
+
+    model = peft.PeftModel.from_pretrained(
+        transformers.AutoModelForCausalLM.from_pretrained(base_dir), str(folder)).eval()
+    contexts, actions = batch(policy)
+    with torch.no_grad():
+        ours = policy.evaluate(contexts, actions)
+        for i, (context, action) in enumerate(zip(contexts, actions)):
+            logits = model(torch.tensor([context + action])).logits[0].float()
+            logp = torch.log_softmax(logits[len(context) - 1:-1], -1)
+            theirs = logp.gather(1, torch.tensor(action)[:, None]).squeeze(1)
+            torch.testing.assert_close(theirs, ours.logprobs[i, :len(action)],
+                                       atol=1e-4, rtol=0)
+        base = transformers.AutoModelForCausalLM.from_pretrained(base_dir)
+        context, action = contexts[0], actions[0]
+        base_logits = base(torch.tensor([context + action])).logits[0, len(context) - 1:-1]
+        assert not torch.allclose(torch.log_softmax(base_logits.float(), -1)
+                                  .gather(1, torch.tensor(action)[:, None]).squeeze(1),
+                                  ours.logprobs[0, :len(action)], atol=1e-4)
+
+    assert base_fingerprint_of_dir(base_dir) == policy.base_model
+    other = small_llama(tmp_path / "other", seed=5)
+    assert base_fingerprint_of_dir(other) != policy.base_model

@@ -89,15 +89,12 @@ def make_acting_policy(cfg: Config, tokenizer: BaseTokenizer,
         raise ValueError("sampler.exploration.param_noise_target_kl perturbs the sampler's torch "
                          "weights, which a vLLM engine does not expose: set it to 0 or use "
                          "policy.backend = 'hf'")
-    if cfg.policy.lora.rank > 0:
-        raise ValueError("policy.lora with policy.backend = 'vllm': publishing adapters to a "
-                         "running vLLM engine is not built yet (full weights are); use "
-                         "policy.backend = 'hf', or policy.lora.rank = 0")
     from gyre_async.policy.vllm_policy import VLLMPolicy
 
     shape = cfg.policy
     return VLLMPolicy(model_path(cfg), tokenizer, seed=cfg.run.seed,
-                      max_model_len=shape.context_tokens + shape.max_action_tokens + 1)
+                      max_model_len=shape.context_tokens + shape.max_action_tokens + 1,
+                      lora=shape.lora)
 
 
 def save_weights(store: CheckpointStore, policy: Policy, version: int,

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -38,14 +39,54 @@ def need_peft() -> Any:
 def base_fingerprint(lm: Any) -> str:
     """A short hash of the base model: its config and its input embedding's bytes (any two
     different bases differ there; hashing every weight would cost seconds per process)."""
-    digest = hashlib.sha256()
-    config = lm.config.to_dict()
+    return _fingerprint(lm.config.to_dict(), lm.get_input_embeddings().weight)
+
+
+def base_fingerprint_of_dir(model_dir: str | Path) -> str:
+    """:func:`base_fingerprint` of the model saved in ``model_dir``, without building it
+    (a vLLM sampler holds no torch copy of the model): its config through ``transformers``
+    and the input embedding read from its safetensors files."""
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(model_dir)).to_dict()
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            name = next((k for k in f.keys() if k.endswith("embed_tokens.weight")), None)
+            if name is not None:
+                return _fingerprint(config, f.get_tensor(name))
+    raise ValueError(f"{model_dir}: no safetensors file holds an input embedding "
+                     "(*embed_tokens.weight), so the base model cannot be fingerprinted")
+
+
+def _fingerprint(config: dict[str, Any], embedding: torch.Tensor) -> str:
+    config = dict(config)
     for volatile in ("_name_or_path", "transformers_version", "dtype", "torch_dtype"):
         config.pop(volatile, None)
+    digest = hashlib.sha256()
     digest.update(json.dumps(config, sort_keys=True, default=str).encode())
-    embed = lm.get_input_embeddings().weight.detach().to(torch.float32).contiguous()
-    digest.update(embed.numpy().tobytes())
+    digest.update(embedding.detach().to(torch.float32).contiguous().numpy().tobytes())
     return digest.hexdigest()[:16]
+
+
+def write_adapter_folder(folder: str | Path, tensors: Mapping[str, torch.Tensor],
+                         metadata: Mapping[str, str]) -> Path:
+    """Write adapter tensors and their LoRA settings (a Gyre LoRA checkpoint's header) as a
+    ``peft`` adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``), the
+    form ``PeftModel.from_pretrained`` and vLLM's LoRA loader read."""
+    from safetensors.torch import save_file
+
+    settings = json.loads(metadata["lora"])
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    need_peft().LoraConfig(
+        r=settings["rank"], lora_alpha=settings["alpha"],
+        target_modules=list(settings["target_modules"]), bias="none", task_type="CAUSAL_LM",
+        base_model_name_or_path=metadata.get("base_model_path") or None,
+    ).save_pretrained(str(folder))
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()},
+              str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
+    return folder
 
 
 def apply_lora(lm: nn.Module, settings: LoraSection) -> nn.Module:

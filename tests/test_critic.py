@@ -204,3 +204,37 @@ def test_exploding_value_loss_resets_the_value_head(tmp_path):
     assert core.take_critic_resets() == []  # each reset is announced once
     assert float(value_head(policy).bias.detach()) == pytest.approx(core.critic.prior)
     assert core.learning_rate == pytest.approx(1.5e-3)
+
+
+def test_the_prior_is_the_mean_complete_return_when_episodes_end(tmp_path):
+    """Episodes that end in the first batch give the critic's prior: their mean complete
+    return, not ``mean(r) / (1 - gamma)`` (rewards forever), which sits far above every
+    return of a short episode and made the value loss read as divergence."""
+    from gyre_async.core.learner import LearnerCore
+    from gyre_async.rl.critic import CriticGuard, value_head
+
+    cfg = config(tmp_path)
+    store = SegmentStore(f"{tmp_path}/segments.zarr", durable=False)
+    policy = build_policy(cfg)
+    core = LearnerCore(cfg, policy)
+    scored = make_batch(cfg, policy, store, 1)
+    for offset, segment in enumerate(scored):
+        assert core.add(segment, (0, offset)) is None
+    core.attach_arrays(store.read_many(core.buffered_addresses()))
+    result = core.train()
+    returns = complete_returns([s.step_rewards for s in scored],
+                               [s.trajectory_id for s in scored],
+                               [s.step_start for s in scored],
+                               [s.trajectory_done for s in scored], cfg.learner.gamma)
+    flat = [r for row in returns for r in row if r is not None]
+    assert len(flat) == TRAJECTORIES * 2 * SEG_STEPS  # every trajectory ended in the batch
+    assert core.critic.prior == pytest.approx(sum(flat) / len(flat))
+    forever = value_prior([r for s in scored for r in s.step_rewards], cfg.learner.gamma)
+    assert forever > 2 * max(flat)  # what the old prior was: above every return
+    assert result.metrics["losses/value_loss"] < 1.0 and not core.take_critic_resets()
+
+    # A long task whose first batch ended no episode keeps mean(r) / (1 - gamma).
+    guard = CriticGuard(cfg.learner, seed=0)
+    guard.start(policy, [0.0, 0.1, 0.0, 0.3])
+    assert guard.prior == pytest.approx(value_prior([0.0, 0.1, 0.0, 0.3], cfg.learner.gamma))
+    assert float(value_head(policy).bias.detach()) == pytest.approx(guard.prior)

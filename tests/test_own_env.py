@@ -66,8 +66,8 @@ run_dir = "{{run_dir}}"
 seed = 3
 
 [loop]
-max_wall_s = 50
-target_success = 0.9
+max_wall_s = 180          # a cap only: the run ends at 40 versions or 90% validation success
+target_success = 0.9      # (a 50 s budget cut it short on a loaded CI machine: 0.52 < 0.56)
 
 [task]
 env = "{ENV_NAME}"

@@ -304,7 +304,9 @@ class LearnerCore:
             return TrainResult(metrics, prep.digest, prep.fusion_weights[:len(fresh)],
                                skipped, [b.scored.segment_id for b in fresh])
 
-        self.critic.start(self.policy, prep.rewards)
+        if not self.critic.initialised:
+            self.critic.start(self.policy, prep.rewards, [
+                r for row in self._complete_returns(items) for r in row if r is not None])
         if self.critic.screen(self.policy, self.optimizer, prep.local_advantages):
             return result({**prep.credit_stats(), "critic/skipped_update": 1.0}, True)
         metrics = PpoEpochs(self.policy, self.optimizer, settings, prep, ids, self.dp).run()
@@ -321,13 +323,16 @@ class LearnerCore:
         metrics.update(prep.credit_stats())
         return result(metrics, False)
 
+    def _complete_returns(self, items: list[BatchItem]) -> list[list[float | None]]:
+        """Each step's Monte-Carlo return where its episode ends within ``items``."""
+        return complete_returns([it.scored.step_rewards for it in items],
+                                [it.scored.trajectory_id for it in items],
+                                [it.scored.step_start for it in items],
+                                [it.terminal for it in items], self.cfg.learner.gamma)
+
     def _refit(self, items: list[BatchItem], prep: PreparedBatch) -> float:
         """The critic's periodic supervised refit on the batch's complete Monte-Carlo returns."""
-        mc = complete_returns([it.scored.step_rewards for it in items],
-                              [it.scored.trajectory_id for it in items],
-                              [it.scored.step_start for it in items],
-                              [it.terminal for it in items], self.cfg.learner.gamma)
-        flat = [r for row in mc for r in row]
+        flat = [r for row in self._complete_returns(items) for r in row]
         keep = [i for i, r in enumerate(flat) if r is not None]
         if not keep:
             return 0.0

@@ -33,8 +33,11 @@ otherwise be reused for a context seen before, mixing two versions in one action
 Log-probs follow :mod:`.base`: the engine runs with ``logprobs_mode="processed_logprobs"``,
 so each sampled token's log-prob is taken from the distribution it was drawn from (after
 temperature / top-p): the behaviour log-prob (``Action.logprobs``). The allowed-token set is
-the torch policy's (special tokens other than end-of-turn are never generated), passed as
-``allowed_token_ids``, so both backends draw from the same distribution. vLLM reports one
+the torch policy's (special tokens other than end-of-turn are never generated): the few
+excluded tokens get a logit bias of -100, vLLM's floor, so both backends draw from the same
+distribution (their probability under it is below float32's resolution). The same set as
+a list of the ~49k allowed ids (``allowed_token_ids``) crossed to the engine with every
+request and was masked in at every step; two biases say it with less. vLLM reports one
 log-prob mode per engine, so ``Action.policy_logprobs`` equal the behaviour ones only at
 temperature 1 / top-p 1; otherwise they are left empty (the learner recomputes raw
 log-probs with ``evaluate``).
@@ -61,6 +64,8 @@ from schemas.config import LoraSection
 
 CONFIG_FILES = ("config.json", "generation_config.json")
 EMBEDDING, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
+EXCLUDED_BIAS = -100.0
+"""Logit bias of tokens the policy never generates (vLLM clamps biases to [-100, 100])."""
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The adapter ranks a vLLM engine can be sized for (``max_lora_rank``)."""
 
@@ -119,8 +124,8 @@ class VLLMPolicy(Policy):
         self.model_path = Path(model_path)
         self.tokenizer = tokenizer
         self.seed = seed
-        allowed = [i for i in range(tokenizer.vocab_size) if i not in tokenizer.special_ids]
-        self.allowed_token_ids = sorted({*allowed, tokenizer.eos_id})
+        self.excluded_token_ids = sorted(i for i in tokenizer.special_ids
+                                         if i != tokenizer.eos_id and i < tokenizer.vocab_size)
         self.stop_token_ids = sorted(tokenizer.stop_ids)
         self._serving: Path | None = serving_copy(self.model_path)  # None once closed
         self._staging: Path | None = None
@@ -143,7 +148,8 @@ class VLLMPolicy(Policy):
             n=1, temperature=0.0 if params.greedy else params.temperature,
             top_p=1.0 if params.greedy else params.top_p, max_tokens=params.max_action_tokens,
             stop_token_ids=self.stop_token_ids, logprobs=0, seed=seed,
-            allowed_token_ids=self.allowed_token_ids, skip_special_tokens=True)
+            logit_bias={i: EXCLUDED_BIAS for i in self.excluded_token_ids} or None,
+            skip_special_tokens=True)
 
     def act_batch(self, contexts: list[list[int]], params: SamplingParams,
                   seed: int | None = None) -> list[Action]:

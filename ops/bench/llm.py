@@ -116,7 +116,7 @@ def bench_config(args: argparse.Namespace) -> Config:
         valid = {"split": "valid", "games": args.eval_episodes}
     return s(
         cfg,
-        run=s(cfg.run, run_id="bench-llm", run_dir=os.path.join(args.out, "run"), seed=1,
+        run=s(cfg.run, run_id="bench-llm", run_dir=os.path.join(args.out, "run"), seed=args.seed,
               mode="async"),
         task=s(cfg.task, env=args.env, env_config=train),
         policy=s(cfg.policy, backend=args.sampler, model="smollm2", context_tokens=args.context_tokens,
@@ -470,6 +470,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="wall clock of (b) warm-start plus (c) online RL (<= 75)")
     p.add_argument("--base-only", action="store_true", help="measure the base model only")
     p.add_argument("--compare", action="store_true", help=argparse.SUPPRESS)  # child process
+    p.add_argument("--report", action="store_true",
+                   help="do not run: report the finished run in <out>/run again (its "
+                        "comparisons are measured anew; the same other arguments)")
     p.add_argument("--env", default="textworld", choices=["textworld", "twx"],
                    help="TextWorld cooking (--recipe/--take/--go), or a TextWorldExpress game "
                         "(--twx-game/--twx-params) as the smaller second task")
@@ -509,6 +512,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="entropy bonus per action token (0: over a 49k-token vocabulary the "
                         "0.01 default raised entropy 0.07 -> 0.34 in four updates once nearly "
                         "every episode succeeded)")
+    p.add_argument("--seed", type=int, default=1,
+                   help="the run's seed (sampling, training games' order, adapter init); the "
+                        "validation games stay the same")
     p.add_argument("--lora-rank", type=int, default=8,
                    help="LoRA adapters of this rank (0: full fine-tuning)")
     p.add_argument("--sampler", default="hf", choices=["hf", "vllm"],
@@ -526,8 +532,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--minutes: the issue's budget is at most 75 minutes (warm-start + online RL)")
     Path(args.out).mkdir(parents=True, exist_ok=True)
     cfg = bench_config(args)
-    if args.compare:
-        print(json.dumps(compare(cfg, args)))
+    if args.compare:  # to a file: engines may print to stdout as they shut down
+        figures = compare(cfg, args)
+        with open(os.path.join(args.out, "compare.json"), "w") as f:
+            json.dump(figures, f, indent=2)
+        print(json.dumps(figures))
         return 0
     prepare_games(args)
     base = base_model(cfg, args)
@@ -537,24 +546,37 @@ def main(argv: list[str] | None = None) -> int:
                           "base_score": base["score"], "eval_episodes": base["episodes"],
                           "settings": vars(args)}))
         return 0
-    if os.path.exists(cfg.run.run_dir):
-        raise SystemExit(f"{cfg.run.run_dir} exists: the bench starts a fresh run (use a new "
-                         "--out or remove it)")
-    started = time.monotonic()
-    warm = warm_start(cfg, args) if args.warmstart_demos else None
-    warm_s = time.monotonic() - started
-    if warm is not None:
-        print(f"(b) warm-start on {args.warmstart_demos} walkthroughs in {warm_s:.0f} s: {warm}",
-              flush=True)
-    online_budget = args.minutes * 60 - warm_s
-    if online_budget < 60:
-        raise SystemExit(f"warm-start took {warm_s:.0f} s of the {args.minutes} minutes: "
-                         "no time left for online RL")
-    cfg = msgspec.structs.replace(cfg, loop=msgspec.structs.replace(cfg.loop,
-                                                                    max_wall_s=online_budget))
-    summary = asyncio.run(run_loop(cfg, progress=False))
-    online_s = time.monotonic() - started - warm_s
-    run_rss_mb = peak_rss_mb()
+    warm_path = os.path.join(args.out, "warm.json")
+    if args.report:  # the run is done: read what it left instead of running it again
+        summary_path = os.path.join(cfg.run.run_dir, "summary.json")
+        if not os.path.exists(summary_path):
+            raise SystemExit(f"--report: {summary_path} does not exist (no finished run there)")
+        with open(summary_path) as f:
+            summary = json.load(f)
+        kept = json.load(open(warm_path)) if os.path.exists(warm_path) else {}
+        warm, warm_s = kept.get("warm"), kept.get("seconds", 0.0)
+        online_s, run_rss_mb = summary["wall_seconds"], None  # not known afterwards
+    else:
+        if os.path.exists(cfg.run.run_dir):
+            raise SystemExit(f"{cfg.run.run_dir} exists: the bench starts a fresh run (use a "
+                             "new --out, remove it, or --report to report the finished run)")
+        started = time.monotonic()
+        warm = warm_start(cfg, args) if args.warmstart_demos else None
+        warm_s = time.monotonic() - started
+        with open(warm_path, "w") as f:
+            json.dump({"warm": warm, "seconds": round(warm_s, 1)}, f)
+        if warm is not None:
+            print(f"(b) warm-start on {args.warmstart_demos} walkthroughs in {warm_s:.0f} s: "
+                  f"{warm}", flush=True)
+        online_budget = args.minutes * 60 - warm_s
+        if online_budget < 60:
+            raise SystemExit(f"warm-start took {warm_s:.0f} s of the {args.minutes} minutes: "
+                             "no time left for online RL")
+        cfg = msgspec.structs.replace(cfg, loop=msgspec.structs.replace(
+            cfg.loop, max_wall_s=online_budget))
+        summary = asyncio.run(run_loop(cfg, progress=False))
+        online_s = time.monotonic() - started - warm_s
+        run_rss_mb = peak_rss_mb()
     start = next(({"success": e["success"], "score": e["score"]} for e in summary["evals"]
                   if e["version"] == 0), None)
     # (c) counts the versions online RL made: a keeper rollback republishes old weights
@@ -571,12 +593,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"(c) online RL: {summary['env_steps']} env steps, {summary['policy_versions']} "
           f"versions in {online_s:.0f} s; version 0 {start}, final {final}, best {best} "
           f"(95% CI {low:.3f}-{high:.3f})", flush=True)
-    child = subprocess.run([sys.executable, __file__, *(argv if argv is not None else
-                                                        sys.argv[1:]), "--compare"],
+    child_argv = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--report"]
+    child = subprocess.run([sys.executable, __file__, *child_argv, "--compare"],
                            capture_output=True, text=True)
     if child.returncode != 0:
         raise SystemExit(f"the comparison process failed:\n{child.stderr[-3000:]}")
-    cmp = json.loads(child.stdout.strip().splitlines()[-1])
+    with open(os.path.join(args.out, "compare.json")) as f:
+        cmp = json.load(f)
     png = os.path.join(args.out, "llm.png")
     plot(curve, base, png, start if warm is not None else None, restored,
          task_name(args), start if warm is None else None)

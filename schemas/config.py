@@ -179,6 +179,12 @@ class SegmenterConfig(Strict):
     """Close a segment when a milestone (sub-task) is reached."""
     close_on_state_change: bool = False
     """Close a segment when the environment reports a significant state change."""
+    cap_ends_episode: bool = False
+    """A trajectory cut by the environment's step cap is terminal for credit (its return
+    after the cap is 0), for tasks whose step budget is part of the task: success must come
+    within the cap, and validation counts it so. false: a time-limit cut, bootstrapped from
+    the critic (the right reading when the cap only bounds the run). Environment failures
+    (``env-error``) stay bootstrapped either way."""
     store: str = ""
     """Segment store URL (default: <run_dir>/segments.zarr)."""
     write_batch_segments: int = 64

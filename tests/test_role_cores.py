@@ -113,3 +113,20 @@ def test_sampled_validation_uses_the_evaluators_temperature(tiny):
     result = asyncio.run(evaluate(cfg, PolicyHolder(policy, 0), builder, None, False))
     assert result["episodes"] == 2 and seen
     assert set(seen) == {(0.3, False)}
+
+
+def test_a_capped_trajectory_is_terminal_only_when_the_cap_is_part_of_the_task():
+    for cap_ends_episode in (False, True):
+        core = SegmenterCore(SegmenterConfig(max_segment_steps=8,
+                                             cap_ends_episode=cap_ends_episode))
+        core.add(step("capped", 0), (0, 0))
+        closed = core.add(step("capped", 1, truncated=True), (0, 1))
+        won = core.add(step("won", 0, done=True, success=True), (0, 2))
+        assert [(c.boundary, c.terminal) for c in closed] == [
+            ("trajectory-end", cap_ends_episode)]
+        assert [c.terminal for c in won] == [True]
+        core.add(step("broken", 0), (0, 3))  # an environment failure stays bootstrapped
+        aborted = core.abort(EnvError(event_id="e", run_id="t", producer="sampler",
+                                      key="broken", trajectory_id="broken", task_id="t",
+                                      step_index=1, kind="timeout", message="slow"))
+        assert [c.terminal for c in aborted] == [False]

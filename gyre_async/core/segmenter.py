@@ -152,8 +152,9 @@ class SegmenterCore:
             return [self._close(tid, "max-length", terminal=False)] + self.add(step, where)
         seg.steps.append(step)
         seg.offsets.append(where)
-        if step.done or step.truncated:
-            return [self._close(tid, "trajectory-end", terminal=step.done and not step.truncated)]
+        if step.done or step.truncated:  # a capped episode is lost when the cap is the task's
+            ended = step.done or self.config.cap_ends_episode
+            return [self._close(tid, "trajectory-end", terminal=ended)]
         if step.milestones and self.config.close_on_milestone:
             return [self._close(tid, "milestone", terminal=False)]
         if step.state_changed and self.config.close_on_state_change:

@@ -124,7 +124,8 @@ def bench_config(args: argparse.Namespace) -> Config:
                  lora=s(cfg.policy.lora, rank=args.lora_rank, alpha=2.0 * args.lora_rank)),
         sampler=s(cfg.sampler, num_envs=args.num_envs, temperature=args.temperature,
                   group_size=1, step_timeout_s=300.0),
-        segmenter=s(cfg.segmenter, max_segment_steps=args.max_steps),
+        segmenter=s(cfg.segmenter, max_segment_steps=args.max_steps,
+                    cap_ends_episode=args.cap == "terminal"),
         learner=s(cfg.learner, batch_steps=args.batch_steps, minibatch_steps=args.minibatch_steps,
                   epochs=args.epochs, learning_rate=args.learning_rate, max_versions=0,
                   micro_steps=args.micro_steps, entropy_coef=args.entropy_coef),
@@ -482,6 +483,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--take", type=int, default=1)
     p.add_argument("--go", type=int, default=1)
     p.add_argument("--max-steps", type=int, default=40, help="episode cap")
+    p.add_argument("--cap", default="terminal", choices=["terminal", "bootstrap"],
+                   help="an episode the cap cuts is lost (terminal: validation counts success "
+                        "within the cap), or a time-limit cut bootstrapped from the critic "
+                        "(where the failures' return then looks like the successes')")
     p.add_argument("--admissible", default="hint", choices=["off", "hint"],
                    help="valid commands as a hint, or none (the model's own text either way)")
     p.add_argument("--train-games", type=int, default=64)

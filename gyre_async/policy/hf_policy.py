@@ -39,11 +39,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from gyre_async.policy.base import CheckpointMismatch
 from gyre_async.policy.lora import (
     adapter_state,
     apply_lora,
     base_fingerprint,
+    check_adapter_base,
     load_adapter_state,
     lora_metadata,
 )
@@ -277,13 +277,8 @@ class HFPolicy(CausalLMPolicy):
 
     def check_checkpoint(self, metadata: Mapping[str, str], address: str) -> None:
         """Besides the format: an adapter loads only on the base it was trained on."""
-        theirs = metadata.get("base_model")
-        if self.lora is not None and theirs and theirs != self.base_model:
-            raise CheckpointMismatch(
-                f"checkpoint {address} holds LoRA adapters for base model {theirs} "
-                f"({metadata.get('base_model_path', '?')}), this policy's base is "
-                f"{self.base_model} ({self.model_path}): set policy.model to the base the "
-                "adapters were trained on")
+        if self.lora is not None:
+            check_adapter_base(metadata, address, self.base_model, self.model_path)
         super().check_checkpoint(metadata, address)
 
     def base_logprobs(self, contexts: list[list[int]], actions: list[list[int]]

@@ -123,6 +123,21 @@ def load_adapter_state(lm: nn.Module, tensors: Mapping[str, torch.Tensor]) -> No
     need_peft().set_peft_model_state_dict(lm, dict(tensors))
 
 
+def check_adapter_base(metadata: Mapping[str, str], address: str, fingerprint: str,
+                       base_path: str) -> None:
+    """Refuse a checkpoint whose header names another base model than ``fingerprint`` (the
+    base this policy or engine holds, loaded from ``base_path``)."""
+    from gyre_async.policy.base import CheckpointMismatch
+
+    theirs = metadata.get("base_model")
+    if theirs and theirs != fingerprint:
+        raise CheckpointMismatch(
+            f"checkpoint {address} holds LoRA adapters for base model {theirs} "
+            f"({metadata.get('base_model_path', '?')}), this policy's base is "
+            f"{fingerprint} ({base_path}): set policy.model to the base the "
+            "adapters were trained on")
+
+
 def lora_metadata(settings: LoraSection, fingerprint: str, base_path: str) -> dict[str, str]:
     return {"format": "gyre-hf-lora", "base_model": fingerprint, "base_model_path": base_path,
             "lora": json.dumps({"rank": settings.rank, "alpha": settings.alpha,

@@ -58,7 +58,12 @@ import torch
 
 from gyre_async.policy.base import Action, CheckpointMismatch, EvalOutput, Policy, SamplingParams
 from gyre_async.policy.hf_policy import VALUE_HEAD
-from gyre_async.policy.lora import base_fingerprint_of_dir, lora_metadata, write_adapter_folder
+from gyre_async.policy.lora import (
+    base_fingerprint_of_dir,
+    check_adapter_base,
+    lora_metadata,
+    write_adapter_folder,
+)
 from gyre_async.policy.tokenizer import BaseTokenizer
 from schemas.config import LoraSection
 
@@ -124,8 +129,9 @@ class VLLMPolicy(Policy):
         self.model_path = Path(model_path)
         self.tokenizer = tokenizer
         self.seed = seed
-        self.excluded_token_ids = sorted(i for i in tokenizer.special_ids
-                                         if i != tokenizer.eos_id and i < tokenizer.vocab_size)
+        excluded = sorted(i for i in tokenizer.special_ids
+                          if i != tokenizer.eos_id and i < tokenizer.vocab_size)
+        self._logit_bias = {i: EXCLUDED_BIAS for i in excluded} or None  # same every request
         self.stop_token_ids = sorted(tokenizer.stop_ids)
         self._serving: Path | None = serving_copy(self.model_path)  # None once closed
         self._staging: Path | None = None
@@ -148,7 +154,7 @@ class VLLMPolicy(Policy):
             n=1, temperature=0.0 if params.greedy else params.temperature,
             top_p=1.0 if params.greedy else params.top_p, max_tokens=params.max_action_tokens,
             stop_token_ids=self.stop_token_ids, logprobs=0, seed=seed,
-            logit_bias={i: EXCLUDED_BIAS for i in self.excluded_token_ids} or None,
+            logit_bias=self._logit_bias,
             skip_special_tokens=True)
 
     def act_batch(self, contexts: list[list[int]], params: SamplingParams,
@@ -179,21 +185,20 @@ class VLLMPolicy(Policy):
 
     # -- weights ------------------------------------------------------------------------------
     def checkpoint_metadata(self) -> dict[str, str]:
-        meta = {"format": "gyre-hf-lora" if self.lora else "gyre-hf-policy",
-                "version": str(self.version)}
+        """The header fields HFPolicy writes that a checkpoint is checked against."""
+        meta = {"format": "gyre-hf-policy", "version": str(self.version)}
         if self.lora is not None:
-            meta["base_model"] = self.base_model
+            meta.update(self._lora_metadata())
         return meta
+
+    def _lora_metadata(self) -> dict[str, str]:
+        assert self.lora is not None
+        return lora_metadata(self.lora, self.base_model, str(self.model_path))
 
     def check_checkpoint(self, metadata: Mapping[str, str], address: str) -> None:
         """Besides the format: an adapter loads only on the base it was trained on."""
-        theirs = metadata.get("base_model")
-        if self.lora is not None and theirs and theirs != self.base_model:
-            raise CheckpointMismatch(
-                f"checkpoint {address} holds LoRA adapters for base model {theirs} "
-                f"({metadata.get('base_model_path', '?')}), this vLLM engine serves base "
-                f"{self.base_model} ({self.model_path}): set policy.model to the base the "
-                "adapters were trained on")
+        if self.lora is not None:
+            check_adapter_base(metadata, address, self.base_model, str(self.model_path))
         super().check_checkpoint(metadata, address)
 
     def load_checkpoint(self, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str],
@@ -211,8 +216,7 @@ class VLLMPolicy(Policy):
         """Reload the engine's weights from Gyre policy tensors (the value head is dropped);
         with LoRA, serve them as a new adapter."""
         if self.lora is not None:
-            self._load_adapter(state_dict, lora_metadata(self.lora, self.base_model,
-                                                         str(self.model_path)))
+            self._load_adapter(state_dict, self._lora_metadata())
             return
         self._reload_weights(state_dict)
 

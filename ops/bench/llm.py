@@ -451,7 +451,7 @@ def compare(cfg: Config, args: argparse.Namespace) -> dict:
     if cfg.policy.backend == "vllm":  # last: the engine's worker binds threads to cores
         del policy
         vllm_figures = vllm_acting(cfg, contexts[:cfg.sampler.num_envs])
-    return {**vllm_figures,"learner_tokens_per_s": round(gyre_learn, 1),
+    return {**vllm_figures, "learner_tokens_per_s": round(gyre_learn, 1),
             "raw_learner_tokens_per_s": round(raw_learn, 1),
             "learner_vs_raw": round(gyre_learn / raw_learn, 3),
             "learner_rounds": [[round(g, 1), round(r, 1)] for g, r in rounds],
@@ -558,7 +558,10 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"--report: {summary_path} does not exist (no finished run there)")
         with open(summary_path) as f:
             summary = json.load(f)
-        kept = json.load(open(warm_path)) if os.path.exists(warm_path) else {}
+        kept = {}
+        if os.path.exists(warm_path):
+            with open(warm_path) as f:
+                kept = json.load(f)
         warm, warm_s = kept.get("warm"), kept.get("seconds", 0.0)
         online_s, run_rss_mb = summary["wall_seconds"], None  # not known afterwards
     else:

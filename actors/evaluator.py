@@ -33,6 +33,9 @@ class Evaluator(Actor):
     def from_config(cls, cfg: Config) -> Evaluator:
         return cls(cfg)
 
+    async def on_stop(self) -> None:
+        self.evaluation.holder.close()
+
     async def handle(self, event, record):
         match event:
             case PolicyVersion() if (trigger := eval_trigger(self.cfg, event)):

@@ -60,6 +60,9 @@ class Sampler(Actor):
         if latest is not None:
             await self.core.follow(latest)
 
+    async def on_stop(self) -> None:
+        self.holder.close()
+
     async def _take_over_unfinished(self) -> None:
         """Fold this sampler's name's earlier steps (in this run) and hand the core their
         count and the trajectories left open (see

@@ -11,6 +11,9 @@
    policy within TOLERANCE, and differ from the old one (proof the reload took effect).
 5. Sample at temperature 0.7 / top-p 0.9 and compare vLLM's processed log-probs with the
    torch backend's behaviour log-probs of the same tokens.
+6. Validation with ``evaluator.engine = "sampler"``: an evaluator with its own vLLM engine
+   loads version 1 from the store and plays greedy episodes; torch plays the same ones, and
+   the two must agree (success, score, length).
 
 Prints one line per figure; the last line is a JSON summary. Exit status 1 on disagreement.
 """
@@ -86,6 +89,40 @@ def compare(torch_policy, contexts, actions, behaviour_params=None):
                 logp = _behaviour_logp(logits, behaviour_params)
                 ref.append(logp.gather(1, torch.tensor(t)[:, None]).squeeze(1).tolist())
     return [abs(v - r) for a, row in zip(actions, ref) for v, r in zip(a.logprobs, row)]
+
+
+def validate_both(args, env_config: dict, learner, store, ref) -> dict:
+    """Greedy validation of checkpoint ``ref`` by an evaluator whose engine is the sampler's
+    (a vLLM engine, built by ``Evaluation.from_config``) and by the torch ``learner``: the
+    (success rate, mean score, mean length) of each."""
+    import msgspec
+
+    from gyre_async.core.evaluation import Evaluation, evaluate
+    from gyre_async.core.rollout import PolicyHolder
+    from gyre_async.policy.vllm_policy import VLLMPolicy
+    from schemas.config import Config, LoraSection
+
+    s = msgspec.structs.replace
+    cfg = Config()
+    cfg = s(cfg, task=s(cfg.task, env=args.env, env_config=env_config),
+            policy=s(cfg.policy, backend="vllm", model="smollm2",
+                     context_tokens=args.context_tokens, history_turns=1,
+                     max_action_tokens=args.action_tokens,
+                     lora=LoraSection(rank=args.lora_rank)),
+            evaluator=s(cfg.evaluator, seeds=list(range(args.envs)), engine="sampler"))
+    evaluation = Evaluation.from_config(cfg)
+    if not isinstance(evaluation.holder.policy, VLLMPolicy):
+        raise SystemExit("evaluator.engine = 'sampler' did not give the evaluator a vLLM engine")
+    evaluation.holder.load(ref.address, ref.sha256, 1)
+
+    def figures(r: dict) -> list[float]:
+        return [r["success_rate"], round(r["mean_score"], 6), r["mean_length"]]
+
+    by_sampler = asyncio.run(evaluate(cfg, evaluation.holder, evaluation.builder, None, True))
+    evaluation.holder.close()
+    by_learner = asyncio.run(evaluate(cfg, PolicyHolder(learner, 1), evaluation.builder, None,
+                                      True))
+    return {"sampler": figures(by_sampler), "learner": figures(by_learner)}
 
 
 def main() -> int:
@@ -187,15 +224,26 @@ def main() -> int:
     diff_t = compare(learner, contexts, actions_t, tempered)
     log(f"temperature 0.7, top-p 0.9: max |vLLM - torch| behaviour log-prob {max(diff_t):.2e}")
 
+    # 6. Validation through the sampler's engine (evaluator.engine = "sampler"): the
+    # evaluator's own vLLM engine loads version 1 from the store as the evaluator does, and
+    # plays greedy validation episodes; the torch policy (v1) plays the same ones. Equal
+    # log-probs within TOLERANCE give equal greedy actions, hence equal episodes.
+    validation = validate_both(args, env_config, learner, store, ref)
+    log(f"greedy validation of version 1, {args.envs} games: vLLM engine "
+        f"{validation['sampler']}, torch {validation['learner']}")
+    same_validation = validation["sampler"] == validation["learner"]
+
     worst = max(max(diff_v0), max(diff_v1), max(diff_t))
-    ok = worst <= TOLERANCE and max(diff_old) > 10 * TOLERANCE and refused
+    ok = (worst <= TOLERANCE and max(diff_old) > 10 * TOLERANCE and refused
+          and same_validation)
     summary = {
         "ok": ok, "tolerance": TOLERANCE, "max_abs_logprob_diff": worst,
         "v0_max": max(diff_v0), "v1_max": max(diff_v1), "tempered_max": max(diff_t),
         "v1_vs_old_weights_max": max(diff_old), "tokens_compared":
         len(diff_v0) + len(diff_v1) + len(diff_t), "engine_start_s": round(engine_s, 1),
         "reload_s": round(reload_s, 1), "wall_s": round(time.monotonic() - t0, 1),
-        "lora_rank": args.lora_rank,
+        "lora_rank": args.lora_rank, "validation": validation,
+        "same_validation": same_validation,
     }
     log(f"log-prob agreement: max |vLLM - torch| = {worst:.2e} nats over "
         f"{summary['tokens_compared']} tokens (tolerance {TOLERANCE:.0e}): "

@@ -397,6 +397,11 @@ class EvaluatorConfig(Strict):
     """Overrides of ``task.env_config`` for validation, e.g. ``{split = "dev"}``."""
     on_reasons: list[str] = msgspec.field(default_factory=lambda: ["warmstart"])
     """Policy versions published for these reasons are always evaluated (rollbacks always are)."""
+    engine: Literal["learner", "sampler"] = "learner"
+    """What plays the validation episodes: ``learner``, a torch copy of the trainable policy;
+    ``sampler``, the sampler's acting engine (a vLLM engine of its own when ``policy.backend =
+    "vllm"``: several times faster than torch at acting on CPU, so validation stops taking the
+    learner's cores for minutes; its log-probs agree with torch's, ops/check_vllm.sh)."""
 
 
 class WarmstartConfig(Strict):

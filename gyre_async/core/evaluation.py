@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 
-from gyre_async.compose import build_policy, build_tokenizer
+from gyre_async.compose import build_acting_policy, build_policy, build_tokenizer
 from gyre_async.core.rollout import ActionBatcher, PolicyHolder, run_episode
 from gyre_async.envs import make_env
 from gyre_async.envs.macros import with_macros
@@ -112,7 +112,8 @@ class Evaluation:
     @classmethod
     def from_config(cls, cfg: Config) -> Evaluation:
         tokenizer = build_tokenizer(cfg)
-        return cls(cfg, PolicyHolder(build_policy(cfg, tokenizer)),
+        make = build_acting_policy if cfg.evaluator.engine == "sampler" else build_policy
+        return cls(cfg, PolicyHolder(make(cfg, tokenizer)),
                    ContextBuilder(tokenizer, cfg.policy.context_tokens, cfg.policy.history_turns))
 
     async def run(self, version: PolicyVersion, *, greedy: bool, trigger: str, cause: str,

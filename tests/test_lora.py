@@ -233,3 +233,23 @@ def test_an_adapter_checkpoint_written_as_a_peft_folder_loads_in_peft_and_acts_t
     assert base_fingerprint_of_dir(base_dir) == policy.base_model
     other = small_llama(tmp_path / "other", seed=5)
     assert base_fingerprint_of_dir(other) != policy.base_model
+
+
+def test_merge_adapter_matches_peft_merge_and_unload(base_dir):
+    """The vLLM policy's merged serving (``policy.vllm_lora = "merged"``) folds a checkpoint's
+    adapter into the base weights itself; peft's ``merge_and_unload`` is the reference."""
+    from gyre_async.policy.lora import merge_adapter
+
+    policy = HFPolicy.from_pretrained(base_dir, seed=0, lora=LORA)
+    train_step(policy)  # lora_B starts at zero: one step makes every delta non-zero
+    adapter = {k: v for k, v in policy.state_dict().items() if not k.startswith(VALUE_HEAD)}
+    base = {k: v.clone() for k, v in transformers.AutoModelForCausalLM.from_pretrained(
+        base_dir, local_files_only=True).state_dict().items()}
+    merged = merge_adapter(base, adapter, LORA.alpha / LORA.rank)
+    reference = policy.merged_lm().state_dict()
+    changed = [k for k in base if not torch.equal(merged[k], base[k])]
+    assert len(changed) == 2 * len(LORA.target_modules)  # 2 layers x q/k/v/o
+    for name in base:
+        assert torch.allclose(merged[name], reference[name], atol=1e-6), name
+    with pytest.raises(CheckpointMismatch, match="no base weight"):
+        merge_adapter({k: v for k, v in base.items() if "q_proj" not in k}, adapter, 2.0)

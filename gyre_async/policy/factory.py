@@ -94,7 +94,7 @@ def make_acting_policy(cfg: Config, tokenizer: BaseTokenizer,
     shape = cfg.policy
     return VLLMPolicy(model_path(cfg), tokenizer, seed=cfg.run.seed,
                       max_model_len=shape.context_tokens + shape.max_action_tokens + 1,
-                      lora=shape.lora)
+                      lora=shape.lora, lora_serving=shape.vllm_lora)
 
 
 def save_weights(store: CheckpointStore, policy: Policy, version: int,

@@ -142,3 +142,27 @@ def lora_metadata(settings: LoraSection, fingerprint: str, base_path: str) -> di
     return {"format": "gyre-hf-lora", "base_model": fingerprint, "base_model_path": base_path,
             "lora": json.dumps({"rank": settings.rank, "alpha": settings.alpha,
                                 "target_modules": list(settings.target_modules)})}
+
+
+def merge_adapter(base: Mapping[str, torch.Tensor], adapter: Mapping[str, torch.Tensor],
+                  scale: float) -> dict[str, torch.Tensor]:
+    """``base`` (a Hugging Face state dict) with every adapter pair of ``adapter`` (peft's
+    saved names) folded in: ``W + scale * B @ A``, ``scale = alpha / rank`` as peft scales
+    it; what ``merge_and_unload`` computes, without building a model. Raises
+    :class:`CheckpointMismatch` for an adapter that does not fit ``base``."""
+    from gyre_async.policy.base import CheckpointMismatch
+
+    merged = dict(base)
+    suffix_a, suffix_b = ".lora_A.weight", ".lora_B.weight"
+    stems = [k[:-len(suffix_a)] for k in adapter if k.endswith(suffix_a)]
+    if not stems:
+        raise CheckpointMismatch("checkpoint holds no adapter tensors")
+    for stem in stems:
+        name = stem.removeprefix("base_model.model.") + ".weight"
+        if name not in base or stem + suffix_b not in adapter:
+            raise CheckpointMismatch(f"adapter {stem} has no base weight {name} or no lora_B: "
+                                     "not an adapter of this model")
+        a = adapter[stem + suffix_a].to(torch.float32)
+        b = adapter[stem + suffix_b].to(torch.float32)
+        merged[name] = (base[name].to(torch.float32) + scale * (b @ a)).to(base[name].dtype)
+    return merged

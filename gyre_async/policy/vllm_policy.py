@@ -63,6 +63,7 @@ from gyre_async.policy.lora import (
     base_fingerprint_of_dir,
     check_adapter_base,
     lora_metadata,
+    merge_adapter,
     write_adapter_folder,
 )
 from gyre_async.policy.tokenizer import BaseTokenizer
@@ -154,7 +155,8 @@ class VLLMPolicy(Policy):
 
     def __init__(self, model_path: str | os.PathLike[str], tokenizer: BaseTokenizer, *,
                  seed: int = 0, max_model_len: int = 4096, dtype: str = "float32",
-                 lora: LoraSection | None = None, **engine_kwargs: Any):
+                 lora: LoraSection | None = None, lora_serving: str = "adapter",
+                 **engine_kwargs: Any):
         try:
             import vllm
         except ImportError as exc:
@@ -175,13 +177,17 @@ class VLLMPolicy(Policy):
         self.base_model = base_fingerprint_of_dir(self.model_path) if self.lora else ""
         self._adapter: Any = None  # the LoRARequest actions name; None: the base model
         self._adapter_ids = itertools.count(1)  # vLLM wants ids > 0, unique per adapter
+        if lora_serving not in ("adapter", "merged"):
+            raise ValueError(f"lora_serving {lora_serving!r}: 'adapter' or 'merged'")
+        self.lora_serving = lora_serving
+        self._base_weights: dict[str, torch.Tensor] | None = None  # merged: loaded once
         if _on_cpu():
             # vLLM's CPU worker cannot rewind a seeded request's generator, which it does when
             # it discards the token sampled after a partial (chunked) prefill: many long
             # prompts at once (a validation batch of 32) killed the engine with "CPU
             # Generator does not use offset". Whole prompts only, then.
             engine_kwargs = {"enable_chunked_prefill": False, **engine_kwargs}
-        if self.lora is not None:
+        if self.lora is not None and lora_serving == "adapter":
             engine_kwargs = {"enable_lora": True, "max_loras": 1,
                              "max_lora_rank": engine_lora_rank(self.lora.rank), **engine_kwargs}
         try:
@@ -251,7 +257,7 @@ class VLLMPolicy(Policy):
             return super().load_checkpoint(tensors, metadata, address)
         self.check_checkpoint(metadata, address)
         try:
-            self._load_adapter(tensors, metadata)
+            self._serve_adapter(tensors, metadata)
         except (RuntimeError, KeyError, ValueError) as exc:
             raise CheckpointMismatch(f"checkpoint {address} does not fit this policy: {exc}"
                                      ) from exc
@@ -260,9 +266,30 @@ class VLLMPolicy(Policy):
         """Reload the engine's weights from Gyre policy tensors (the value head is dropped);
         with LoRA, serve them as a new adapter."""
         if self.lora is not None:
-            self._load_adapter(state_dict, self._lora_metadata())
+            self._serve_adapter(state_dict, self._lora_metadata())
             return
         self._reload_weights(state_dict)
+
+    def _serve_adapter(self, tensors: Mapping[str, torch.Tensor],
+                       metadata: Mapping[str, str]) -> None:
+        if self.lora_serving == "merged":
+            self._reload_weights(self._merged(tensors, metadata))
+        else:
+            self._load_adapter(tensors, metadata)
+
+    def _merged(self, tensors: Mapping[str, torch.Tensor],
+                metadata: Mapping[str, str]) -> dict[str, torch.Tensor]:
+        """The base weights with every adapter pair folded in: ``W + alpha/rank * B @ A``
+        (peft's own scaling), in the base weights' dtype."""
+        settings = json.loads(metadata["lora"])
+        scale = float(settings["alpha"]) / int(settings["rank"])
+        if self._base_weights is None:
+            from safetensors.torch import load_file
+
+            if self._serving is None:
+                raise RuntimeError("VLLMPolicy is closed: its model folders are removed")
+            self._base_weights = load_file(str(self._serving / "model.safetensors"))
+        return merge_adapter(self._base_weights, tensors, scale)
 
     def _load_adapter(self, tensors: Mapping[str, torch.Tensor],
                       metadata: Mapping[str, str]) -> None:
@@ -325,6 +352,7 @@ class VLLMPolicy(Policy):
             if folder is not None:
                 shutil.rmtree(folder, ignore_errors=True)
         self._staging = self._serving = self._adapter = None
+        self._base_weights = None
 
     # The learner side lives in HFPolicy; vLLM serves sampling only.
     def _learner_only(self, *_: Any) -> Any:

@@ -126,7 +126,8 @@ def bench_config(args: argparse.Namespace) -> Config:
         task=s(cfg.task, env=args.env, env_config=train),
         policy=s(cfg.policy, backend=args.sampler, model="smollm2", context_tokens=args.context_tokens,
                  history_turns=args.history_turns, max_action_tokens=args.max_action_tokens,
-                 lora=s(cfg.policy.lora, rank=args.lora_rank, alpha=2.0 * args.lora_rank)),
+                 lora=s(cfg.policy.lora, rank=args.lora_rank, alpha=2.0 * args.lora_rank),
+                 vllm_lora=args.vllm_lora),
         sampler=s(cfg.sampler, num_envs=args.num_envs, temperature=args.temperature,
                   group_size=1, step_timeout_s=300.0),
         segmenter=s(cfg.segmenter, max_segment_steps=args.max_steps,
@@ -537,6 +538,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="what plays validation, (a) and every version alike: torch, or a vLLM "
                         "engine of its own (needs --sampler vllm; ~4x faster acting here, so "
                         "validation takes the learner's cores for less time)")
+    p.add_argument("--vllm-lora", default="adapter", choices=["adapter", "merged"],
+                   help="how each LoRA version reaches the vLLM engines: a vLLM adapter, or "
+                        "merged into the base weights (policy.vllm_lora; on CPU an adapter "
+                        "makes vLLM's prefill several times slower)")
     p.add_argument("--sampler", default="hf", choices=["hf", "vllm"],
                    help="the sampler's acting engine: torch (hf), or vLLM (needs vllm: run "
                         "through ops/bench/llm_vllm.sh); learner and validation use torch")

@@ -141,6 +141,9 @@ def main() -> int:
     parser.add_argument("--lora-serving", default="adapter", choices=["adapter", "merged"],
                         help="with --lora-rank: versions reach vLLM as LoRA adapters, or "
                              "merged into the base weights and reloaded in place")
+    parser.add_argument("--compiled", action="store_true",
+                        help="run the engine as the loop does (torch.compile, no "
+                             "enforce_eager): a reload must reach compiled code too")
     parser.add_argument("--learning-rate", type=float, default=None,
                         help="the one Adam step (default 1e-4 full weights, 1e-3 adapters)")
     args = parser.parse_args()
@@ -166,7 +169,8 @@ def main() -> int:
     started = time.monotonic()
     sampler = VLLMPolicy(model_dir, tok, seed=0,
                          max_model_len=args.context_tokens + args.action_tokens + 1,
-                         enforce_eager=True, lora=lora, lora_serving=args.lora_serving)
+                         enforce_eager=not args.compiled, lora=lora,
+                         lora_serving=args.lora_serving)
     engine_s = time.monotonic() - started
     log(f"vLLM engine up in {engine_s:.0f}s")
     builder = ContextBuilder(tok, args.context_tokens, history_turns=1)
@@ -246,6 +250,7 @@ def main() -> int:
         len(diff_v0) + len(diff_v1) + len(diff_t), "engine_start_s": round(engine_s, 1),
         "reload_s": round(reload_s, 1), "wall_s": round(time.monotonic() - t0, 1),
         "lora_rank": args.lora_rank, "lora_serving": args.lora_serving,
+        "compiled": args.compiled,
         "validation": validation,
         "same_validation": same_validation,
     }

@@ -25,7 +25,10 @@ stay as loaded. Each published version is an adapter: its tensors (peft's names)
 settings are written as a peft adapter folder and added to the engine under a new adapter id
 (``LoRARequest``); later actions name that adapter, and the previous one is removed. Adapter
 ids are part of vLLM's prefix-cache keys, so no reset is needed. An adapter trained on
-another base model is refused (the checkpoint header names its base's fingerprint).
+another base model is refused (the checkpoint header names its base's fingerprint). With
+``lora_serving = "merged"`` (``policy.vllm_lora``) the engine runs without LoRA and each
+version's adapter is folded into the base weights (:func:`lora.merge_adapter`) and reloaded
+as full weights are: on vLLM's CPU backend an adapter made acting 4x slower.
 
 The prefix cache is reset after every reload: blocks cached under the old weights would
 otherwise be reused for a context seen before, mixing two versions in one action.
@@ -184,7 +187,7 @@ class VLLMPolicy(Policy):
         if _on_cpu():
             # vLLM's CPU worker cannot rewind a seeded request's generator, which it does when
             # it discards the token sampled after a partial (chunked) prefill: many long
-            # prompts at once (a validation batch of 32) killed the engine with "CPU
+            # prompts at once (a validation batch of 64) killed the engine with "CPU
             # Generator does not use offset". Whole prompts only, then.
             engine_kwargs = {"enable_chunked_prefill": False, **engine_kwargs}
         if self.lora is not None and lora_serving == "adapter":
@@ -264,7 +267,7 @@ class VLLMPolicy(Policy):
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Reload the engine's weights from Gyre policy tensors (the value head is dropped);
-        with LoRA, serve them as a new adapter."""
+        with LoRA, serve them as a new adapter, or merged into the weights (lora_serving)."""
         if self.lora is not None:
             self._serve_adapter(state_dict, self._lora_metadata())
             return

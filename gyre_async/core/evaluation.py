@@ -25,11 +25,20 @@ from gyre_async.compose import build_acting_policy, build_policy, build_tokenize
 from gyre_async.core.rollout import ActionBatcher, PolicyHolder, run_episode
 from gyre_async.envs import make_env
 from gyre_async.envs.macros import with_macros
-from gyre_async.policy.base import SamplingParams
+from gyre_async.policy.base import Policy, SamplingParams
 from gyre_async.policy.context import ContextBuilder
+from gyre_async.policy.tokenizer import BaseTokenizer
 from schemas import event_id
 from schemas.config import Config
 from schemas.events import EvalResult, PolicyVersion
+
+
+def validation_policy(cfg: Config, tokenizer: BaseTokenizer) -> Policy:
+    """The policy validation plays with: the sampler's acting engine when
+    ``evaluator.engine = "sampler"`` (vLLM for ``policy.backend = "vllm"``), else a torch
+    copy of the trainable policy."""
+    make = build_acting_policy if cfg.evaluator.engine == "sampler" else build_policy
+    return make(cfg, tokenizer)
 
 
 def validation_set(cfg: Config, episodes: int | None = None) -> list[tuple[str, int]]:
@@ -112,8 +121,7 @@ class Evaluation:
     @classmethod
     def from_config(cls, cfg: Config) -> Evaluation:
         tokenizer = build_tokenizer(cfg)
-        make = build_acting_policy if cfg.evaluator.engine == "sampler" else build_policy
-        return cls(cfg, PolicyHolder(make(cfg, tokenizer)),
+        return cls(cfg, PolicyHolder(validation_policy(cfg, tokenizer)),
                    ContextBuilder(tokenizer, cfg.policy.context_tokens, cfg.policy.history_turns))
 
     async def run(self, version: PolicyVersion, *, greedy: bool, trigger: str, cause: str,

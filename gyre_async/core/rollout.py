@@ -59,10 +59,7 @@ class PolicyHolder:
             return self.policy.act_batch(contexts, params, seed=seed), self.version
 
     def close(self) -> None:
-        """Free what the policy holds outside Python's memory (a vLLM policy's model folders)."""
-        close = getattr(self.policy, "close", None)
-        if close is not None:
-            close()
+        self.policy.close()
 
     def load(self, path: str, sha256: str, version: int) -> None:
         with self.lock:

@@ -110,6 +110,11 @@ class Policy(abc.ABC):
     @abc.abstractmethod
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None: ...
 
+    def close(self) -> None:
+        """Free what the policy holds outside Python's memory (nothing, unless a backend
+        says otherwise: a vLLM policy's model folders)."""
+        return None
+
     def checkpoint_metadata(self) -> dict[str, str]:
         """Strings stored in the checkpoint header (config, tokenizer, version)."""
         return {"version": str(self.version)}

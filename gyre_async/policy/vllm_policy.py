@@ -210,6 +210,12 @@ class VLLMPolicy(Policy):
             logit_bias=self._logit_bias,
             skip_special_tokens=True)
 
+    @property
+    def lora_request(self) -> Any:
+        """The ``LoRARequest`` actions are served with (None: no adapter; the weights are
+        the version's, as with ``lora_serving = "merged"``)."""
+        return self._adapter
+
     def act_batch(self, contexts: list[list[int]], params: SamplingParams,
                   seed: int | None = None) -> list[Action]:
         if not contexts:

@@ -72,8 +72,8 @@ sys.path.insert(0, str(ROOT))  # run as a script: make the packages importable
 
 from gyre_async.bus import open_bus  # noqa: E402
 from gyre_async.bus.reading import read_events  # noqa: E402
-from gyre_async.compose import build_acting_policy, build_policy, build_tokenizer  # noqa: E402
-from gyre_async.core.evaluation import evaluate  # noqa: E402
+from gyre_async.compose import build_policy, build_tokenizer  # noqa: E402
+from gyre_async.core.evaluation import evaluate, validation_policy  # noqa: E402
 from gyre_async.core.rollout import PolicyHolder  # noqa: E402
 from gyre_async.policy.context import ContextBuilder  # noqa: E402
 from gyre_async.runtime.loop import run_loop  # noqa: E402
@@ -415,10 +415,9 @@ def base_model(cfg: Config, args: argparse.Namespace) -> dict:
         if kept["settings"] == settings:
             print(f"(a) measured before with these settings: {path}", flush=True)
             return kept["base"]
-    make = build_acting_policy if cfg.evaluator.engine == "sampler" else build_policy
-    policy = make(cfg, build_tokenizer(cfg))
+    policy = validation_policy(cfg, build_tokenizer(cfg))
     base = asyncio.run(validation(cfg, policy))
-    PolicyHolder(policy).close()
+    policy.close()
     del policy  # a vLLM engine's processes go with it, before the run starts its own
     gc.collect()
     with open(path, "w") as f:

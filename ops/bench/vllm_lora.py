@@ -89,7 +89,7 @@ def main() -> int:
                                          stop_token_ids=engine.stop_token_ids)
         started = time.perf_counter()
         outs = engine.llm.generate(prompts, raw_params, use_tqdm=False,
-                                   lora_request=engine._adapter)
+                                   lora_request=engine.lora_request)
         return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - started)
 
     for mode in engines:  # warm-up: the first requests pay for lazy set-up

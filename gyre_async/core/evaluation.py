@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 
 from gyre_async.compose import build_acting_policy, build_policy, build_tokenizer
 from gyre_async.core.rollout import ActionBatcher, PolicyHolder, run_episode
@@ -31,6 +32,18 @@ from gyre_async.policy.tokenizer import BaseTokenizer
 from schemas import event_id
 from schemas.config import Config
 from schemas.events import EvalResult, PolicyVersion
+
+
+def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The 95% Wilson score interval of a success rate over ``n`` episodes (unlike the
+    normal approximation it stays inside [0, 1] and is honest at 0 or n successes, where
+    validation figures of few episodes often sit)."""
+    if n == 0:
+        return 0.0, 1.0
+    p = successes / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
 
 
 def validation_policy(cfg: Config, tokenizer: BaseTokenizer) -> Policy:

@@ -56,7 +56,6 @@ import argparse
 import asyncio
 import gc
 import json
-import math
 import os
 import resource
 import statistics
@@ -73,7 +72,11 @@ sys.path.insert(0, str(ROOT))  # run as a script: make the packages importable
 from gyre_async.bus import open_bus  # noqa: E402
 from gyre_async.bus.reading import read_events  # noqa: E402
 from gyre_async.compose import build_policy, build_tokenizer  # noqa: E402
-from gyre_async.core.evaluation import evaluate, validation_policy  # noqa: E402
+from gyre_async.core.evaluation import (  # noqa: E402
+    evaluate,
+    validation_policy,
+)
+from gyre_async.core.evaluation import wilson_interval as wilson  # noqa: E402
 from gyre_async.core.rollout import PolicyHolder  # noqa: E402
 from gyre_async.policy.context import ContextBuilder  # noqa: E402
 from gyre_async.runtime.loop import run_loop  # noqa: E402
@@ -96,16 +99,6 @@ def peak_rss_mb() -> float:
             if line.startswith("VmHWM:"):
                 return round(int(line.split()[1]) / 1024, 1)
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
-
-
-def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    """95% Wilson score interval of a binomial proportion."""
-    if n == 0:
-        return 0.0, 1.0
-    p = successes / n
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return max(0.0, centre - half), min(1.0, centre + half)
 
 
 def bench_config(args: argparse.Namespace) -> Config:

@@ -1,0 +1,236 @@
+"""Held-out figures of a finished LLM run: choose the version on validation games, report it
+on test games that no choice has seen.
+
+The bench's in-loop validation picks its best version on the same games it then reports, so
+its best figure carries a selection bias that grows with the number of versions compared,
+and on 32 sampled games it moves by ~0.09 from sampling alone. This script separates the two
+jobs, as one separates a validation split from a test split:
+
+1. **the base** (a fresh policy: LoRA adapters start at zero, so it is the base model
+   exactly) plays ``--test-episodes`` games of the environment's ``test`` split;
+2. **selection**: every ``--every``-th policy version the run published by an update (and
+   its last one) plays ``--dev-episodes`` games of the ``dev`` split; the best (success,
+   then score, then the earlier version) is chosen there. Version 0 plays them too, as the
+   line the updates are read against (it is not a candidate: (c) is what RL made);
+3. **the report**: the chosen version, and the run's last version, play the same test games
+   as the base, with the same decoding and the same sampling seed.
+
+Every version's weights are loaded from the run's checkpoints (sha256 verified) as the
+evaluator loads them, and played through the evaluator's own code (``evaluate``), by
+``--engine``: ``vllm`` (the run's policy must have ``backend = "vllm"``: run it with the
+vLLM virtualenv, ``source ops/vllm_venv.sh; $PY ops/bench/llm_heldout.py ...``) or
+``torch``. Nothing else runs meanwhile: these are the run's figures, not its speed.
+
+Last line, one JSON object:
+{"bench": "llm_heldout", "base_success": x, "best_success": x, "best_success_ci_low": x,
+ "final_success": x, "test_episodes": n, "best_version": v, "selection": [...], ...}
+and a PNG: validation (dev) success per version, the test figures as points.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # run as a script: make the packages importable
+
+from gyre_async.bus import open_bus  # noqa: E402
+from gyre_async.bus.reading import read_events  # noqa: E402
+from gyre_async.compose import build_tokenizer  # noqa: E402
+from gyre_async.core.evaluation import (  # noqa: E402
+    evaluate,
+    validation_policy,
+)
+from gyre_async.core.evaluation import wilson_interval as wilson  # noqa: E402
+from gyre_async.core.rollout import PolicyHolder  # noqa: E402
+from gyre_async.policy.context import ContextBuilder  # noqa: E402
+from schemas.config import Config  # noqa: E402
+from schemas.events import PolicyVersion  # noqa: E402
+from schemas.topics import POLICY_VERSION  # noqa: E402
+
+
+def two_proportion_p(a: int, b: int, n: int) -> float:
+    """One-sided p-value of 'b/n > a/n' (pooled two-proportion z-test; the games are the
+    same, so this ignores their pairing and is conservative when outcomes correlate)."""
+    pooled = (a + b) / (2 * n)
+    if pooled in (0.0, 1.0):
+        return 1.0 if b <= a else 0.0
+    z = (b - a) / n / math.sqrt(pooled * (1 - pooled) * 2 / n)
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+async def published_versions(run_dir: str, run_id: str) -> list[PolicyVersion]:
+    """The run's own versions (init, warm-start, updates: not rollbacks, which republish old
+    weights), first publication of each, in order."""
+    seen: dict[int, PolicyVersion] = {}
+    async with open_bus(f"sqlite:///{run_dir}/events.db") as bus:
+        async for _, e in read_events(bus, [POLICY_VERSION], on_bad="skip", run_id=run_id):
+            if isinstance(e, PolicyVersion) and e.reason != "rollback":
+                seen.setdefault(e.version, e)
+    return [seen[v] for v in sorted(seen)]
+
+
+def chosen_for_selection(versions: list[PolicyVersion], every: int) -> list[PolicyVersion]:
+    """Every ``every``-th version made by an update, and the last one."""
+    updates = [v for v in versions if v.reason == "update"]
+    picked = [v for v in updates if v.version % every == 0]
+    if updates and updates[-1] not in picked:
+        picked.append(updates[-1])
+    return picked
+
+
+def choose(selection: list[dict]) -> dict:
+    """The best candidate on validation: success, then score, then the earlier version."""
+    return max((e for e in selection if e["candidate"]),
+               key=lambda e: (e["success"], e["score"], -e["version"]))
+
+
+def split_config(cfg: Config, split: str, episodes: int, engine: str) -> Config:
+    s = msgspec.structs.replace
+    return s(cfg, evaluator=s(cfg.evaluator, seeds=list(range(episodes)),
+                              env_config={**cfg.evaluator.env_config, "split": split},
+                              engine="sampler" if engine == "vllm" else "learner"))
+
+
+async def play(cfg: Config, holder: PolicyHolder, builder: ContextBuilder, label: str) -> dict:
+    started = time.monotonic()
+    r = await evaluate(cfg, holder, builder, None, cfg.evaluator.greedy)
+    n = r["episodes"]
+    wins = round(r["success_rate"] * n)
+    figures = {"version": holder.version, "success": r["success_rate"], "wins": wins,
+               "episodes": n, "score": round(r["mean_score"], 4),
+               "length": round(r["mean_length"], 2),
+               "seconds": round(time.monotonic() - started, 1)}
+    print(f"[heldout] {label}: {wins}/{n} won, score {figures['score']}, "
+          f"length {figures['length']} ({figures['seconds']} s)", flush=True)
+    return figures
+
+
+def plot(selection: list[dict], test: dict, path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    ax.plot([e["version"] for e in selection], [e["success"] for e in selection], "o-",
+            color="tab:blue", label="validation (dev games): selection")
+    base = test["base"]
+    low, high = wilson(base["wins"], base["episodes"])
+    ax.axhline(base["success"], color="gray", ls=":", label="base model, test games")
+    ax.axhspan(low, high, color="gray", alpha=0.12)
+    for key, colour, marker in (("best", "tab:red", "*"), ("final", "tab:green", "s")):
+        e = test.get(key)
+        if e is None:
+            continue
+        lo, hi = wilson(e["wins"], e["episodes"])
+        ax.errorbar([e["version"]], [e["success"]], yerr=[[e["success"] - lo], [hi - e["success"]]],
+                    fmt=marker, color=colour, ms=9, capsize=4,
+                    label=f"{key} (v{e['version']}), test games, 95% CI")
+    ax.set_xlabel("policy version")
+    ax.set_ylabel("success rate")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+async def heldout(args: argparse.Namespace) -> dict:
+    with open(os.path.join(args.run_dir, "config.json"), "rb") as f:
+        cfg = msgspec.json.decode(f.read(), type=Config)
+    if args.engine == "vllm" and cfg.policy.backend != "vllm":
+        raise SystemExit(f"--engine vllm: the run's policy.backend is {cfg.policy.backend!r}, "
+                         "not 'vllm' (use --engine torch)")
+    versions = await published_versions(args.run_dir, cfg.run.run_id)
+    if not versions:
+        raise SystemExit(f"{args.run_dir}/events.db holds no policy-version: not a finished run")
+    selection_set = chosen_for_selection(versions, args.every)
+    if not selection_set:
+        raise SystemExit("the run published no update: nothing to select from")
+    dev = split_config(cfg, "dev", args.dev_episodes, args.engine)
+    test = split_config(cfg, "test", args.test_episodes, args.engine)
+    tokenizer = build_tokenizer(cfg)
+    holder = PolicyHolder(validation_policy(dev, tokenizer), 0)
+    builder = ContextBuilder(tokenizer, cfg.policy.context_tokens, cfg.policy.history_turns)
+    try:
+        figures = {"base": await play(test, holder, builder, "base model, test games")}
+        selection = []
+        for v in [versions[0], *selection_set]:
+            await asyncio.to_thread(holder.load, v.checkpoint, v.checkpoint_hash, v.version)
+            played = await play(dev, holder, builder, f"version {v.version}, dev games")
+            selection.append({**played, "candidate": v.reason == "update"})
+        best = choose(selection)
+        by_version = {v.version: v for v in selection_set}
+        last = selection_set[-1]
+        for key, v in (("best", by_version[best["version"]]), ("final", last)):
+            if key == "final" and v.version == best["version"]:
+                figures["final"] = figures["best"]
+                continue
+            await asyncio.to_thread(holder.load, v.checkpoint, v.checkpoint_hash, v.version)
+            figures[key] = await play(test, holder, builder, f"{key}: version {v.version}, "
+                                      "test games")
+    finally:
+        holder.close()
+    n = args.test_episodes
+    base, chosen, final = figures["base"], figures["best"], figures["final"]
+    low, high = wilson(chosen["wins"], n)
+    env = cfg.task.env_config
+    title = (f"{cfg.policy.model} on {cfg.task.env} {env.get('game', '')} "
+             f"({env.get('params', '')}): chosen on {args.dev_episodes} dev games, "
+             f"reported on {n} test games")
+    png = args.png or os.path.join(os.path.dirname(os.path.abspath(args.run_dir)),
+                                   "heldout.png")
+    plot(selection, figures, png, title)
+    return {
+        "bench": "llm_heldout", "run_dir": args.run_dir,
+        "base_success": base["success"], "best_success": chosen["success"],
+        "best_success_ci_low": round(low, 4), "best_success_ci_high": round(high, 4),
+        "final_success": final["success"], "best_version": chosen["version"],
+        "final_version": final["version"], "improvement": round(chosen["success"]
+                                                                - base["success"], 4),
+        "p_best_above_base": round(two_proportion_p(base["wins"], chosen["wins"], n), 4),
+        "base_score": base["score"], "best_score": chosen["score"],
+        "test_episodes": n, "dev_episodes": args.dev_episodes, "engine": args.engine,
+        "decoding": "greedy" if cfg.evaluator.greedy else
+                    f"sampled at {cfg.evaluator.temperature}",
+        "selection": selection, "test": figures, "png": png,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--run-dir", required=True,
+                   help="a finished run (its config.json, events.db and checkpoints)")
+    p.add_argument("--every", type=int, default=4,
+                   help="select among every N-th update version (and the last one)")
+    p.add_argument("--dev-episodes", type=int, default=32,
+                   help="validation games per version, for the choice")
+    p.add_argument("--test-episodes", type=int, default=96,
+                   help="test games for the base, the chosen and the last version")
+    p.add_argument("--engine", default="vllm", choices=["vllm", "torch"],
+                   help="what plays: a vLLM engine (the run must act through vLLM) or torch")
+    p.add_argument("--png", default="", help="the plot (default: heldout.png beside the run)")
+    p.add_argument("--out", default="", help="also write the JSON here")
+    args = p.parse_args(argv)
+    if args.every < 1 or args.dev_episodes < 1 or args.test_episodes < 1:
+        p.error("--every, --dev-episodes and --test-episodes must be at least 1")
+    result = asyncio.run(heldout(args))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -467,6 +467,40 @@ def compare(cfg: Config, args: argparse.Namespace) -> dict:
             "peak_rss_mb": peak_rss_mb()}
 
 
+#: the figures held-out test games replace when ``--test-episodes`` is given
+HEADLINE = ("base_success", "best_success", "best_success_ci_low", "final_success",
+            "best_version", "base_score", "best_score", "eval_episodes")
+
+
+def heldout_figures(cfg: Config, args: argparse.Namespace) -> dict:
+    """``ops/bench/llm_heldout.py`` on the finished run, in a process of its own (its engine
+    must not share the run's cores or memory); kept in ``<out>/heldout.json`` and reused by
+    ``--report`` while its settings match."""
+    path = os.path.join(args.out, "heldout.json")
+    engine = "vllm" if args.sampler == "vllm" else "torch"
+    wanted = {"run_dir": cfg.run.run_dir, "engine": engine, "every": args.select_every,
+              "dev_episodes": args.select_episodes, "test_episodes": args.test_episodes}
+    if os.path.exists(path):
+        with open(path) as f:
+            kept = json.load(f)
+        if kept.get("settings") == wanted:
+            print(f"held-out figures measured before with these settings: {path}", flush=True)
+            return kept
+    command = [sys.executable, str(ROOT / "ops/bench/llm_heldout.py"),
+               "--run-dir", cfg.run.run_dir, "--engine", engine,
+               "--every", str(args.select_every), "--dev-episodes", str(args.select_episodes),
+               "--test-episodes", str(args.test_episodes),
+               "--png", os.path.join(args.out, "heldout.png"), "--out", path]
+    if subprocess.run(command).returncode != 0:
+        raise SystemExit(f"the held-out evaluation failed: {' '.join(command)}")
+    with open(path) as f:
+        held = json.load(f)
+    held["settings"] = wanted
+    with open(path, "w") as f:
+        json.dump(held, f, indent=2)
+    return held
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -476,8 +510,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--base-only", action="store_true", help="measure the base model only")
     p.add_argument("--compare", action="store_true", help=argparse.SUPPRESS)  # child process
     p.add_argument("--report", action="store_true",
-                   help="do not run: report the finished run in <out>/run again (its "
-                        "comparisons are measured anew; the same other arguments)")
+                   help="do not run: report the finished run in <out>/run again (the same "
+                        "other arguments; its comparisons are measured anew unless "
+                        "--keep-comparisons)")
+    p.add_argument("--keep-comparisons", action="store_true",
+                   help="with --report: reuse <out>/compare.json instead of measuring the "
+                        "speed comparisons again (e.g. to add --test-episodes figures)")
     p.add_argument("--env", default="textworld", choices=["textworld", "twx"],
                    help="TextWorld cooking (--recipe/--take/--go), or a TextWorldExpress game "
                         "(--twx-game/--twx-params) as the smaller second task")
@@ -496,6 +534,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--train-games", type=int, default=64)
     p.add_argument("--eval-episodes", type=int, default=32, help="unseen valid games")
     p.add_argument("--eval-every", type=int, default=4, help="policy versions per evaluation")
+    p.add_argument("--test-episodes", type=int, default=0,
+                   help="after the run, held-out figures (ops/bench/llm_heldout.py): the "
+                        "version is chosen on --select-episodes dev games among every "
+                        "--select-every-th update, then it, the base and the last version play "
+                        "this many test games; the headline figures become these (0: off, "
+                        "the in-loop validation's best is reported)")
+    p.add_argument("--select-every", type=int, default=4)
+    p.add_argument("--select-episodes", type=int, default=32)
     p.add_argument("--decoding", default="sampled", choices=["sampled", "greedy"],
                    help="validation decoding, the same for every version (greedy, the base "
                         "model repeats one command: 0 of 8 games)")
@@ -578,7 +624,11 @@ def main(argv: list[str] | None = None) -> int:
             with open(warm_path) as f:
                 kept = json.load(f)
         warm, warm_s = kept.get("warm"), kept.get("seconds", 0.0)
-        online_s, run_rss_mb = summary["wall_seconds"], None  # not known afterwards
+        online_s, run_rss_mb = summary["wall_seconds"], None  # not known afterwards...
+        previous = os.path.join(args.out, "result.json")
+        if os.path.exists(previous):  # ...unless the run's own report recorded it
+            with open(previous) as f:
+                run_rss_mb = next(iter(json.load(f).get("peak_rss_mb", {None: None}).values()))
     else:
         if os.path.exists(cfg.run.run_dir):
             raise SystemExit(f"{cfg.run.run_dir} exists: the bench starts a fresh run (use a "
@@ -616,13 +666,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"(c) online RL: {summary['env_steps']} env steps, {summary['policy_versions']} "
           f"versions in {online_s:.0f} s; version 0 {start}, final {final}, best {best} "
           f"(95% CI {low:.3f}-{high:.3f})", flush=True)
-    child_argv = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--report"]
-    child = subprocess.run([sys.executable, __file__, *child_argv, "--compare"],
-                           capture_output=True, text=True)
-    if child.returncode != 0:
-        raise SystemExit(f"the comparison process failed:\n{child.stderr[-3000:]}")
-    with open(os.path.join(args.out, "compare.json")) as f:
+    compare_path = os.path.join(args.out, "compare.json")
+    if not (args.report and args.keep_comparisons and os.path.exists(compare_path)):
+        child_argv = [a for a in (argv if argv is not None else sys.argv[1:])
+                      if a not in ("--report", "--keep-comparisons")]
+        child = subprocess.run([sys.executable, __file__, *child_argv, "--compare"],
+                               capture_output=True, text=True)
+        if child.returncode != 0:
+            raise SystemExit(f"the comparison process failed:\n{child.stderr[-3000:]}")
+    with open(compare_path) as f:
         cmp = json.load(f)
+    held = heldout_figures(cfg, args) if args.test_episodes else None
     png = os.path.join(args.out, "llm.png")
     plot(curve, base, png, start if warm is not None else None, restored,
          task_name(args), start if warm is None else None)
@@ -661,6 +715,13 @@ def main(argv: list[str] | None = None) -> int:
                         "comparisons (separate process)": cmp["peak_rss_mb"]},
         "png": png, "settings": vars(args),
     }
+    if held is not None:  # the headline: chosen on dev games, reported on unseen test games
+        result["in_loop"] = {k: result[k] for k in HEADLINE}
+        result.update({k: held[k] for k in HEADLINE if k != "eval_episodes"},
+                      eval_episodes=held["test_episodes"], final_version=held["final_version"],
+                      p_best_above_base=held["p_best_above_base"],
+                      selection=held["selection"], heldout_png=held["png"],
+                      figures_from="held-out test games (ops/bench/llm_heldout.py)")
     with open(os.path.join(args.out, "result.json"), "w") as f:
         json.dump(result, f, indent=2)
     print(json.dumps(result))

@@ -197,7 +197,7 @@ async def heldout(args: argparse.Namespace) -> dict:
         "final_success": final["success"], "best_version": chosen["version"],
         "final_version": final["version"], "improvement": round(chosen["success"]
                                                                 - base["success"], 4),
-        "p_best_above_base": round(two_proportion_p(base["wins"], chosen["wins"], n), 4),
+        "p_best_above_base": float(f"{two_proportion_p(base['wins'], chosen['wins'], n):.2g}"),
         "base_score": base["score"], "best_score": chosen["score"],
         "test_episodes": n, "dev_episodes": args.dev_episodes, "engine": args.engine,
         "decoding": "greedy" if cfg.evaluator.greedy else

@@ -42,6 +42,12 @@ new LoRA adapter (``--lora-rank 0``: by an in-place reload of the full weights).
 with a second vLLM engine (``evaluator.engine = "sampler"``) instead of torch: the same
 distribution, ~4x the acting speed here, so more validation episodes fit the budget.
 
+``--test-episodes N`` adds held-out figures after the run (``ops/bench/llm_heldout.py``, in
+a process of its own): the version is chosen on ``--select-episodes`` dev games among every
+``--select-every``-th update, then the base, the chosen and the last version play the same
+N games of the test fold; these become the headline fields (the in-loop ones go under
+``in_loop``), as the in-loop best is chosen on the games it is reported on.
+
 Without vLLM, its fields are ``null`` with the reason in ``vllm_note``. Last line, one JSON
 object:
 {"bench": "llm", "base_success": x, "final_success": x, "best_success": x, ...}

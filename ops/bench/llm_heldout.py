@@ -185,7 +185,7 @@ async def heldout(args: argparse.Namespace) -> dict:
     low, high = wilson(chosen["wins"], n)
     env = cfg.task.env_config
     title = (f"{cfg.policy.model} on {cfg.task.env} {env.get('game', '')} "
-             f"({env.get('params', '')}): chosen on {args.dev_episodes} dev games, "
+             f"({env.get('params', '')}):\nchosen on {args.dev_episodes} dev games, "
              f"reported on {n} test games")
     png = args.png or os.path.join(os.path.dirname(os.path.abspath(args.run_dir)),
                                    "heldout.png")

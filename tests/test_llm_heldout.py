@@ -124,3 +124,10 @@ def test_dev_figures_equal_the_runs_own_evaluator(heldout, tmp_path, monkeypatch
     low, _ = wilson_interval(result["test"]["best"]["wins"], 8)
     assert result["best_success_ci_low"] == pytest.approx(low, abs=1e-4)
     assert Path(result["png"]).exists()
+
+
+def test_env_params_keep_the_equals_signs_of_their_values(heldout):
+    assert heldout.env_overrides(["params=numLocations=9,includeDoors=0", "max_steps=30"]) == {
+        "params": "numLocations=9,includeDoors=0", "max_steps": 30}
+    with pytest.raises(SystemExit, match="KEY=VALUE"):
+        heldout.env_overrides(["numLocations"])

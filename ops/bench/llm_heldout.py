@@ -94,11 +94,35 @@ def choose(selection: list[dict]) -> dict:
                key=lambda e: (e["success"], e["score"], -e["version"]))
 
 
-def split_config(cfg: Config, split: str, episodes: int, engine: str) -> Config:
+def split_config(cfg: Config, split: str, episodes: int, engine: str,
+                 overrides: dict[str, str | int | float] | None = None) -> Config:
+    """The run's validation settings on ``split``; ``overrides`` change the games themselves
+    (e.g. a larger map than the run trained on: a transfer check, not the run's task)."""
     s = msgspec.structs.replace
+    env_config = {**cfg.evaluator.env_config, **(overrides or {}), "split": split}
     return s(cfg, evaluator=s(cfg.evaluator, seeds=list(range(episodes)),
-                              env_config={**cfg.evaluator.env_config, "split": split},
+                              env_config=env_config,
                               engine="sampler" if engine == "vllm" else "learner"))
+
+
+def env_overrides(pairs: list[str]) -> dict[str, str | int | float]:
+    """``KEY=VALUE`` pairs (the value may hold ``=``, as TextWorldExpress params do; numbers
+    become numbers, as the config's own values are)."""
+    out: dict[str, str | int | float] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--env-param {pair!r}: expected KEY=VALUE, e.g. "
+                             "params=numLocations=9,includeDoors=0,numDistractorItems=0")
+        for kind in (int, float):
+            try:
+                out[key] = kind(value)
+                break
+            except ValueError:
+                continue
+        else:
+            out[key] = value
+    return out
 
 
 async def play(cfg: Config, holder: PolicyHolder, builder: ContextBuilder, label: str) -> dict:
@@ -156,8 +180,9 @@ async def heldout(args: argparse.Namespace) -> dict:
     selection_set = chosen_for_selection(versions, args.every)
     if not selection_set:
         raise SystemExit("the run published no update: nothing to select from")
-    dev = split_config(cfg, "dev", args.dev_episodes, args.engine)
-    test = split_config(cfg, "test", args.test_episodes, args.engine)
+    overrides = env_overrides(args.env_param)
+    dev = split_config(cfg, "dev", args.dev_episodes, args.engine, overrides)
+    test = split_config(cfg, "test", args.test_episodes, args.engine, overrides)
     tokenizer = build_tokenizer(cfg)
     holder = PolicyHolder(validation_policy(dev, tokenizer), 0)
     builder = ContextBuilder(tokenizer, cfg.policy.context_tokens, cfg.policy.history_turns)
@@ -183,7 +208,7 @@ async def heldout(args: argparse.Namespace) -> dict:
     n = args.test_episodes
     base, chosen, final = figures["base"], figures["best"], figures["final"]
     low, high = wilson(chosen["wins"], n)
-    env = cfg.task.env_config
+    env = {**cfg.task.env_config, **overrides}
     title = (f"{cfg.policy.model} on {cfg.task.env} {env.get('game', '')} "
              f"({env.get('params', '')}):\nchosen on {args.dev_episodes} dev games, "
              f"reported on {n} test games")
@@ -200,6 +225,7 @@ async def heldout(args: argparse.Namespace) -> dict:
         "p_best_above_base": float(f"{two_proportion_p(base['wins'], chosen['wins'], n):.2g}"),
         "base_score": base["score"], "best_score": chosen["score"],
         "test_episodes": n, "dev_episodes": args.dev_episodes, "engine": args.engine,
+        "env_overrides": overrides,
         "decoding": "greedy" if cfg.evaluator.greedy else
                     f"sampled at {cfg.evaluator.temperature}",
         "selection": selection, "test": figures, "png": png,
@@ -219,6 +245,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="test games for the base, the chosen and the last version")
     p.add_argument("--engine", default="vllm", choices=["vllm", "torch"],
                    help="what plays: a vLLM engine (the run must act through vLLM) or torch")
+    p.add_argument("--env-param", action="append", default=[], metavar="KEY=VALUE",
+                   help="change the evaluation games (repeatable), e.g. "
+                        "params=numLocations=9,includeDoors=0,numDistractorItems=0 to check "
+                        "transfer to a larger map than the run trained on")
     p.add_argument("--png", default="", help="the plot (default: heldout.png beside the run)")
     p.add_argument("--out", default="", help="also write the JSON here")
     args = p.parse_args(argv)

@@ -65,6 +65,18 @@ def group_bus_url(request, tmp_path):
     return f"kafka://{request.getfixturevalue('tansu')}"
 
 
+def load_script(relative: str):
+    """A script of the repository (``ops/bench/*.py``: not a package) as a module, so a test
+    can call its functions."""
+    import importlib.util
+
+    path = ROOT / relative
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 TINY_TOML = ROOT / "ops" / "configs" / "tiny.toml"
 
 

@@ -10,7 +10,6 @@ published. The Wilson interval is checked against its definition, solved by bise
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import math
 from pathlib import Path
@@ -18,6 +17,7 @@ from pathlib import Path
 import msgspec
 import pytest
 import textworld_express  # noqa: F401 - the test extra installs the simulator
+from conftest import load_script
 
 from gyre_async.config import load_config
 from gyre_async.core.evaluation import wilson_interval
@@ -57,11 +57,7 @@ def test_wilson_interval_matches_its_definition(successes, n):
 
 @pytest.fixture(scope="module")
 def heldout():
-    spec = importlib.util.spec_from_file_location("llm_heldout",
-                                                  ROOT / "ops/bench/llm_heldout.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("ops/bench/llm_heldout.py")
 
 
 def test_one_sided_p_value(heldout):

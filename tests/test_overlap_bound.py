@@ -6,21 +6,13 @@ log's timestamps, the bound, and the ratio taken against sync's rate in the same
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import load_script
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("async_vs_sync",
-                                                  ROOT / "ops/bench/async_vs_sync.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("ops/bench/async_vs_sync.py")
 
 
 def rounds_log(sample: list[float], learn: list[float], slot_ends: list[list[float]]):

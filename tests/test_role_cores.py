@@ -130,3 +130,39 @@ def test_a_capped_trajectory_is_terminal_only_when_the_cap_is_part_of_the_task()
                                       key="broken", trajectory_id="broken", task_id="t",
                                       step_index=1, kind="timeout", message="slow"))
         assert [c.terminal for c in aborted] == [False]
+
+
+def test_a_partition_that_comes_back_before_its_segments_were_written_loses_nothing():
+    """Steps 0..2 close a segment at the milestone of step 2; it waits for its batched write
+    when the partition moves away (release) and comes back before the other member wrote it
+    (nothing new in the ``segment-closed`` log). Redelivered from the commit floor, the
+    same steps must close the same segment again, and the floor must hold them meanwhile."""
+    from schemas.events import Milestone
+
+    config = SegmenterConfig(max_segment_steps=100, write_batch_segments=64, write_delay_s=60)
+    core, pending = SegmenterCore(config), PendingWrites(config)
+
+    def feed() -> None:
+        for i in range(3):
+            milestones = [Milestone(name="m", proof="p")] if i == 2 else []
+            pending.extend(core.add(step("a", i, milestones=milestones), (0, 10 + i)))
+
+    feed()
+    assert pending.hold(core.commit_floor()) == {(TRAJECTORY_STEP, 0): 10}
+    assert core.release({0}) == 0 and pending.release({0}) == 1
+    assert pending.hold(core.commit_floor()) == {}  # nothing held: the partition is not ours
+    feed()  # the partition is back; the runtime redelivers from offset 10
+    assert [(s.steps[0].step_index, s.steps[-1].step_index, s.boundary)
+            for s in pending.segments] == [(0, 2, "milestone")]
+    assert pending.hold(core.commit_floor()) == {(TRAJECTORY_STEP, 0): 10}
+
+
+def test_release_keeps_what_other_partitions_segmented():
+    config = SegmenterConfig(max_segment_steps=1)
+    core = SegmenterCore(config)
+    core.add(step("a", 0), (0, 1))
+    core.add(step("b", 0, done=True, success=True), (1, 1))
+    core.release({0})
+    assert core.next_step == {"b": 1} and core.ended == {"b"}
+    assert core.add(step("b", 0), (1, 1)) == []  # still skipped as already segmented
+    assert [s.trajectory_id for s in core.add(step("a", 0), (0, 1))] == ["a"]

@@ -128,6 +128,9 @@ class SegmenterCore:
         self.open: dict[str, OpenSegment] = {}
         self.next_step: dict[str, int] = {}  # first step index not yet in a closed segment
         self.ended: set[str] = set()
+        #: the input partition of each trajectory this core took steps of (a trajectory's
+        #: steps share one partition, its key): what ``release`` forgets
+        self.partition_of: dict[str, int] = {}
 
     def restore(self, closed: SegmentClosed) -> None:
         """Fold one closed segment of the run back into state: on a restart, and when a
@@ -143,6 +146,7 @@ class SegmenterCore:
         tid = step.trajectory_id
         if tid in self.ended or step.step_index < self.next_step.get(tid, 0):
             return []  # already segmented (redelivery after a restart)
+        self.partition_of[tid] = where[0]
         seg = self.open.setdefault(tid, OpenSegment())
         if seg.steps and step.step_index <= seg.steps[-1].step_index:
             return []  # duplicate within the open segment
@@ -196,13 +200,25 @@ class SegmenterCore:
         return ClosedSegment(tid, tuple(seg.steps), boundary, terminal, seg.offsets[0])
 
     def release(self, partitions: set[int]) -> int:
-        """Forget the open segments whose steps came from ``partitions`` (now another
-        segmenter's: it reads them again from our commit floor and closes them itself).
-        Returns how many were dropped."""
+        """Forget everything derived from ``partitions`` (now another segmenter's: it reads
+        them again from our commit floor and closes them itself): their open segments, and
+        how far their trajectories were segmented (``next_step``, ``ended``).
+
+        The second half matters as much as the first: ``next_step`` also counts segments
+        closed but not yet written (:class:`PendingWrites`, released with the partition). If
+        it survived and the partition came back before the other member wrote those
+        segments, their redelivered steps would be skipped as already segmented, and the
+        commit floor would no longer hold them: lost. What was durably written comes back
+        with the partition (the actor folds the run's ``segment-closed`` log on every
+        assignment). Returns how many open segments were dropped."""
         gone = [tid for tid, seg in self.open.items()
                 if seg.offsets and seg.offsets[0][0] in partitions]
         for tid in gone:
             del self.open[tid]
+        for tid in [tid for tid, p in self.partition_of.items() if p in partitions]:
+            self.next_step.pop(tid, None)
+            self.ended.discard(tid)
+            del self.partition_of[tid]
         return len(gone)
 
     def commit_floor(self) -> CommitFloor:

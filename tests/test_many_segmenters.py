@@ -222,3 +222,21 @@ def test_a_partition_handed_over_is_not_segmented_twice(tmp_path):
     assert {s.producer for s in closed if s.trajectory_id == fast} == {"segmenter-1",
                                                                        "segmenter-0"}
     assert one.actor.segments == 3 and two.actor.segments == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["embedded", TANSU])
+def test_repeated_hand_overs_lose_nothing(backend, tmp_path, request):
+    """``ops/bench/handover.py`` for 6 leave/come-back cycles of a segmenter and an arbiter
+    replica, closed segments waiting up to 1 s for their write (so partitions move while
+    segments closed from them are unwritten): nothing lost, duplicated or corrupt. Without the
+    segmenter's release fix this lost steps in every run of 10 cycles tried."""
+    from conftest import load_script
+
+    handover = load_script("ops/bench/handover.py")
+    url = f"sqlite:///{tmp_path}/events.db" if backend == "embedded" \
+        else f"kafka://{request.getfixturevalue('tansu')}"
+    cfg = handover.tiny_config(tmp_path / "run", f"cycles-{tmp_path.name[-12:]}")
+    result = asyncio.run(handover.measure(url, cfg, cycles=6, steps_between=20, timeout_s=400))
+    assert result["steps"] > 0 and result["segments"] > 0
+    assert (result["lost"], result["duplicated_segments"], result["corrupt"]) == (0, 0, 0), result

@@ -289,6 +289,10 @@ class PolicyVersion(Event, tag="policy-version", frozen=True, kw_only=True):
     trained_segments: list[str] = []  # segment ids in the batch that made this version
     advantage_digest: str = ""  # fingerprint of that batch's advantages (replay audit)
     fusion_weights: list[float] = []  # weight of the global outcome advantage per trained segment
+    #: torch's intra-op threads that computed that batch (0: not recorded): a reduction
+    #: split over another number of threads may add up in another order, so ``gyre replay
+    #: learner`` re-derives the digest with as many
+    batch_threads: int = 0
 
     def __post_init__(self) -> None:
         _non_negative("version", self.version)

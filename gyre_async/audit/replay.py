@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -24,6 +25,7 @@ from schemas.config import Config
 from schemas.topics import TELEMETRY
 
 IGNORED_FIELDS = {"ts"}
+T = TypeVar("T")
 
 
 @dataclass
@@ -145,13 +147,28 @@ def report_json(report: ReplayReport) -> bytes:
     return msgspec.json.format(msgspec.json.encode(report.to_dict()), indent=2)
 
 
+def _with_threads(threads: int, work: Callable[[], T]) -> T:
+    """``work()`` on as many torch intra-op threads as the learner had (0: unrecorded, as
+    they are): a reduction split over another number of threads may add up in another order."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or before)
+    try:
+        return work()
+    finally:
+        torch.set_num_threads(before)
+
+
 async def replay_learner(recorded: Bus, cfg: Config) -> ReplayReport:
     """Re-derive every update's advantages from the log, the store and the parent checkpoint.
 
     Retraining is not needed to audit the learner's credit assignment: for each published
     update, load the weights it started from, read the segments it says it trained on (in
     its order) with their recorded rewards, recompute values and segment-level GAE, and
-    compare the fingerprint with the one the learner recorded. The global outcome
+    compare the fingerprint with the one the learner recorded (bit for bit: with the same
+    forward pass, ``prepare_batch``'s, and as many torch threads as the learner's update
+    recorded). The global outcome
     advantages are re-derived from the log too (``gyre_async.audit.credit_log``), and the fusion
     weights the learner recorded per segment are compared with the replayed ones.
     """
@@ -193,9 +210,9 @@ async def replay_learner(recorded: Bus, cfg: Config) -> ReplayReport:
             report.missing.append(update.event_id)
             continue
         items = [BatchItem(s, a) for s, a in zip(segments, arrays)]
-        prep = await asyncio.to_thread(prepare_batch, policy, items, settings.gamma,
-                                       settings.lam, global_adv, settings.credit,
-                                       settings.fusion_max_weight, settings.mask_failed)
+        prep = await asyncio.to_thread(_with_threads, update.batch_threads, lambda: prepare_batch(
+            policy, items, settings.gamma, settings.lam, global_adv, settings.credit,
+            settings.fusion_max_weight, settings.mask_failed))
         report.replayed_outputs += 1
         fields: dict[str, dict[str, Any]] = {}
         if prep.digest != update.advantage_digest:

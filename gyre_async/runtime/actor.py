@@ -292,6 +292,10 @@ class ActorRunner:
             await self.actor.ready()
             records = await self._consumer.fetch(self.max_in_flight, self.fetch_timeout_s)
             await self._follow_assignment()
+            # a partition revoked between the fetch and now is another member's: its records
+            # are that member's to handle (from its committed offset), and state built from
+            # them here would outlive the release the actor just made
+            records = [r for r in records if (r.topic, r.partition) in self._assigned]
             self._busy = True  # until this pass's outputs are out (caught_up reads it)
             try:
                 await self._handle_batch(records)

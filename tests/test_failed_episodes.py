@@ -32,6 +32,7 @@ from gyre_async.core.learner_batch import BatchItem, prepare_batch
 from gyre_async.core.segmenter import SegmenterCore, segment_arrays, segment_closed
 from gyre_async.envs.base import Env, EnvFailure, StepResult, guarded_step
 from gyre_async.envs.faults import FaultSchedule, FaultyEnv, InjectedFault, with_faults
+from gyre_async.policy.base import EvalOutput
 from gyre_async.rewards.arbitration import Arbitration
 from gyre_async.rl.fusion import OutcomeBook
 from gyre_async.storage.segments import SegmentRef
@@ -177,6 +178,12 @@ class ContextValues:
 
     def values(self, contexts: list[list[int]]) -> torch.Tensor:
         return torch.tensor([sum(c) / 10.0 for c in contexts])
+
+    def evaluate(self, contexts: list[list[int]], actions: list[list[int]]) -> EvalOutput:
+        """The batch's values come from the pass over contexts and actions together."""
+        zeros = torch.zeros(len(actions), max(len(a) for a in actions))
+        return EvalOutput(logprobs=zeros, entropy=zeros, values=self.values(contexts),
+                          mask=zeros)
 
 
 def _item(closed, rewards: list[float]) -> BatchItem:

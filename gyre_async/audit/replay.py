@@ -11,6 +11,7 @@ import asyncio
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, TypeVar
 
 import msgspec
@@ -210,9 +211,9 @@ async def replay_learner(recorded: Bus, cfg: Config) -> ReplayReport:
             report.missing.append(update.event_id)
             continue
         items = [BatchItem(s, a) for s, a in zip(segments, arrays)]
-        prep = await asyncio.to_thread(_with_threads, update.batch_threads, lambda: prepare_batch(
-            policy, items, settings.gamma, settings.lam, global_adv, settings.credit,
-            settings.fusion_max_weight, settings.mask_failed))
+        work = partial(prepare_batch, policy, items, settings.gamma, settings.lam, global_adv,
+                       settings.credit, settings.fusion_max_weight, settings.mask_failed)
+        prep = await asyncio.to_thread(_with_threads, update.batch_threads, work)
         report.replayed_outputs += 1
         fields: dict[str, dict[str, Any]] = {}
         if prep.digest != update.advantage_digest:

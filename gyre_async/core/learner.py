@@ -91,6 +91,7 @@ class TrainResult:
     fusion_weights: list[float]  # one per trained segment, in ``trained_segments`` order
     skipped: bool  # the critic's advantage alarm refused the update (weights untouched)
     trained_segments: list[str]  # the fresh segments (elite ones never came from the bus)
+    threads: int = 0  # torch's intra-op threads that computed the batch (replay uses as many)
 
 
 def _finite_or(x: float, fallback: float = -1.0) -> float:
@@ -289,6 +290,7 @@ class LearnerCore:
         items: list[BatchItem] = [*fresh, *elite]
         if global_adv is None:
             global_adv = self.global_advantages(items)
+        threads = torch.get_num_threads()  # of the thread this runs on (an executor's)
         prep = prepare_batch(self.policy, items, settings.gamma, settings.lam, global_adv,
                              settings.credit, settings.fusion_max_weight,
                              bootstrap_failed=settings.mask_failed, with_logprobs=True)
@@ -302,7 +304,7 @@ class LearnerCore:
 
         def result(metrics: dict[str, float], skipped: bool) -> TrainResult:
             return TrainResult(metrics, prep.digest, prep.fusion_weights[:len(fresh)],
-                               skipped, [b.scored.segment_id for b in fresh])
+                               skipped, [b.scored.segment_id for b in fresh], threads)
 
         if not self.critic.initialised:
             self.critic.start(self.policy, prep.rewards, [
@@ -382,6 +384,7 @@ class LearnerCore:
                      "keeper/rollbacks_applied": float(self.rollbacks_applied)},
             trained_segments=list(update.trained_segments) if update else [],
             advantage_digest=update.advantage_digest if update else "",
-            fusion_weights=list(update.fusion_weights) if update else [])
+            fusion_weights=list(update.fusion_weights) if update else [],
+            batch_threads=update.threads if update else 0)
         self.version = version
         return event

@@ -121,8 +121,8 @@ def prepare_batch(policy, items: Sequence[BatchItem], gamma: float, lam: float,
     with the per-segment global outcome advantage (``global_adv``, NaN: unknown; see
     ``gyre_async.rl.fusion``). ``bootstrap_failed`` (``learner.mask_failed``): a failed
     episode's last segment always bootstraps (:meth:`BatchItem.bootstrap_context`).
-    ``with_logprobs``: the values' forward pass also yields the actions' log-probs (the
-    learner's proximal policy), so the update needs no second pass over the batch.
+    ``with_logprobs``: keep the actions' log-probs that the values' forward pass yields
+    (the learner's proximal policy), so the update needs no second pass over the batch.
 
     Pure given the policy weights and the segments: ``gyre replay learner`` calls it with
     the parent checkpoint to re-derive exactly the advantages each update used.
@@ -139,12 +139,11 @@ def prepare_batch(policy, items: Sequence[BatchItem], gamma: float, lam: float,
         behaviour += [arrays["action_logprobs"][i, : int(act_len[i])].tolist()
                       for i in range(len(act_len))]
         rewards += list(item.scored.step_rewards)
-    proximal = None
-    if with_logprobs:
-        values, proximal = values_and_logprobs(policy, contexts, actions)
-    else:
-        with torch.no_grad():
-            values = policy.values(contexts).float()
+    # One forward pass for the values whoever asks: a context-only pass (``policy.values``)
+    # gives the same values up to the last bits only (other tensor shapes, other summation
+    # order), and the digest compares bits.
+    values, logprobs = values_and_logprobs(policy, contexts, actions)
+    proximal = logprobs if with_logprobs else None
     with torch.no_grad():
         boots = [it.bootstrap_context(bootstrap_failed) for it in items]
         need = [i for i, b in enumerate(boots) if b and not items[i].terminal]

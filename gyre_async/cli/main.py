@@ -107,6 +107,7 @@ def _parser() -> argparse.ArgumentParser:
     arc.add_argument("--topics", help="comma-separated topics (default: all)")
 
     from gyre_async.cli.offline import add_parser as add_offline
+    from gyre_async.cli.schema import add_parser as add_schema
     from gyre_async.runtime.launcher import add_parser as add_launch
     from gyre_async.ui.monitor import add_parser as add_monitor
     from gyre_async.ui.report import add_parser as add_report
@@ -115,6 +116,7 @@ def _parser() -> argparse.ArgumentParser:
     add_monitor(sub)
     add_report(sub)
     add_offline(sub)
+    add_schema(sub)
 
     top = sub.add_parser("topics", help="topics, end offsets and lag per consumer group")
     top.add_argument("--bus", help="bus URL")
@@ -229,6 +231,10 @@ def _dispatch(args) -> int:
         from gyre_async.cli.offline import run as run_offline
 
         return run_offline(args, _config(args))
+    if args.command == "schema":
+        from gyre_async.cli.schema import run as run_schema
+
+        return run_schema(args)
     if args.command == "archive":
         return run_main(lambda: _archive(args))
     if args.command == "topics":

@@ -1,0 +1,578 @@
+"""The hostile-input matrix, against a live run of every role.
+
+One run of the tiny loop (``ops/configs/tiny.toml``, no version budget) with the sampler,
+segmenter, arbiter, learner, evaluator and keeper, each on its own runner in this process
+(as ``gyre run`` has them). Once the learner has published a version, every row of
+:mod:`hostile_rows` is crafted and published onto the topic a role consumes: random bytes,
+truncated msgpack, unknown tags, newer schema versions, NaN/inf, a 200,000-step range,
+oversized payloads, addresses with a foreign protocol (``ftp://`` and ``http://`` to a
+local socket this script listens on), paths outside the run's roots (relative, absolute,
+``..``), forged checkpoints (another producer, another run, a valid checkpoint file outside
+the run that must survive), duplicate ids and out-of-order steps. The run goes on until
+every role that consumes a crafted record has committed past it and the learner has
+published ``--versions-after`` more versions. Then every role is restarted and must
+rebuild its state from the log the hostile records are now part of (the keeper's restart is
+where a forged ``kept-checkpoint`` used to be folded, and its file later deleted; a
+restarted learner and sampler look for the policy in force), and the learner must train
+once more; then everything stops and the script checks:
+
+- ``dead_lettered`` / per row ``outcome``: every crafted input was refused with a reason:
+  dead-lettered by each role that must refuse it (read back from ``dead-letter``), skipped
+  as a duplicate id or as another run's (the runners' ``duplicates`` / ``foreign_events``
+  counters moved by as many), or, for the keeper topic, not folded by the restarted keeper;
+- ``crashes``: runner tasks that ended with an error;
+- ``wedged_roles``: roles whose committed offsets did not move past every crafted record
+  they consume, and the learner if training did not go on (``versions_after``);
+- ``files_touched_outside_roots``: paths created, changed or removed in a folder outside
+  the run (the crafted paths point there; it holds the sentinel checkpoint) and in the
+  working directory the relative paths start from;
+- ``outbound_connections``: connections the local listening socket accepted;
+- ``lost`` (and ``duplicated``, ``corrupt``): the log's invariants
+  (:func:`gyre_async.audit.invariants.check_run`) over the run's events, the refused
+  crafted records left out;
+- ``collateral_dead_letters``: dead letters of records this script did not craft (a
+  hostile input must not take legit ones down with it).
+
+    python ops/hostile.py --bus embedded
+    python ops/hostile.py --bus kafka                       # its own Tansu broker
+    python ops/hostile.py --bus kafka://host:9092
+    python ops/hostile.py --bus embedded --markdown docs/hostile-inputs.md
+
+Last line: {"inputs", "dead_lettered", "crashes", "wedged_roles",
+"files_touched_outside_roots", "outbound_connections", "lost", ..., "rows": [...]};
+exit status 0 only if every row was refused as it must be and every count above is 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import os
+import socket
+import sys
+import tempfile
+import threading
+import time
+import tomllib
+from collections import defaultdict
+from contextlib import contextmanager
+from pathlib import Path
+
+import msgspec
+import tomli_w
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "ops"))
+
+from hostile_rows import FAST_ROWS, ROWS, Row, Scene  # noqa: E402
+
+from actors.keeper import Keeper  # noqa: E402
+from actors.learner import Learner  # noqa: E402
+from gyre_async.audit.invariants import CONSUMED, TOPICS, RunEvents, check_run  # noqa: E402
+from gyre_async.bus import open_bus  # noqa: E402
+from gyre_async.bus.reading import iter_topics, read_events  # noqa: E402
+from gyre_async.compose import build_policy, build_tokenizer, save_weights  # noqa: E402
+from gyre_async.config import load_config  # noqa: E402
+from gyre_async.runtime.actor import ActorRunner  # noqa: E402
+from gyre_async.runtime.logs import configure_logging  # noqa: E402
+from gyre_async.runtime.topology import RUN_ROLES, actor_class, build_actor  # noqa: E402
+from gyre_async.storage.checkpoints import CheckpointStore  # noqa: E402
+from schemas import DecodeError, decode  # noqa: E402
+from schemas.events import DeadLetter, PolicyVersion  # noqa: E402
+from schemas.topics import ALL_TOPICS, DEAD_LETTER, POLICY_VERSION, TRAJECTORY_STEP  # noqa: E402
+
+PARTITIONS = 2
+#: every role is restarted after the injection: each rebuilds its state from a log that now
+#: holds the hostile records (the keeper folds its topic, where a forged slot used to be
+#: taken in; the learner and the sampler look for the policy in force; the segmenter and
+#: the arbiter fold what was segmented and scored; the sampler its own steps)
+RESTARTED = RUN_ROLES
+ATTACKER_LIMIT = 4_000_000  # the crafting side may publish what the run's bus refuses
+
+
+def tiny_config(run_dir: Path, run_id: str):
+    """The tiny loop, 2 partitions, no version budget (the run ends when we say), small
+    batches so versions come every few seconds."""
+    data = tomllib.loads((ROOT / "ops" / "configs" / "tiny.toml").read_text())
+    data["run"].update(run_dir=str(run_dir), run_id=run_id)
+    data.setdefault("bus", {})["partitions"] = PARTITIONS
+    data.setdefault("learner", {}).update(max_versions=0, batch_steps=64, minibatch_steps=64)
+    data.setdefault("evaluator", {}).update(episodes=2)
+    path = run_dir.parent / "hostile.toml"
+    path.write_text(tomli_w.dumps(data))
+    return load_config(path)
+
+
+def consumers(topic: str) -> tuple[str, ...]:
+    """The roles of ``gyre run`` that consume ``topic``."""
+    return tuple(r for r in RUN_ROLES if topic in actor_class(r).consumes)
+
+
+# -- what must not change: files outside the roots, connections ----------------------------------
+
+def snapshot(folders: list[Path]) -> dict[str, tuple]:
+    """Every path under ``folders`` with its kind, size, mtime and content hash."""
+    seen: dict[str, tuple] = {}
+    for folder in folders:
+        for path in [folder, *folder.rglob("*")]:
+            st = path.lstat()
+            digest = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else ""
+            seen[str(path)] = (path.is_dir(), st.st_size, st.st_mtime_ns, digest)
+    return seen
+
+
+def touched(before: dict[str, tuple], after: dict[str, tuple]) -> list[str]:
+    return sorted(p for p in before.keys() | after.keys() if before.get(p) != after.get(p))
+
+
+class Listener:
+    """A local listening socket that counts the connections it accepts (a role that
+    follows a ``ftp://127.0.0.1:<port>`` address would connect here)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.sock.settimeout(0.1)
+        self.port = self.sock.getsockname()[1]
+        self.accepted = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            self.accepted += 1
+            conn.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sock.close()
+
+
+@contextmanager
+def working_directory(path: Path):
+    """Relative addresses resolve against the working directory: the crafted ``../outside``
+    paths then point at the watched folder."""
+    old = os.getcwd()
+    os.chdir(path)
+    try:
+        yield
+    finally:
+        os.chdir(old)
+
+
+# -- the run ---------------------------------------------------------------------------------------
+
+class Run:
+    """Every role on its own runner; restarts keep the earlier incarnations' counters."""
+
+    def __init__(self, bus, cfg, deadline: float):
+        self.bus, self.cfg, self.deadline = bus, cfg, deadline
+        self.tasks: dict[ActorRunner, asyncio.Task] = {}
+        self.incarnations: dict[str, list[ActorRunner]] = defaultdict(list)
+        self.crashes: list[str] = []
+
+    def start(self, role: str) -> ActorRunner:
+        runner = ActorRunner(build_actor(role, self.cfg), self.bus, run_id=self.cfg.run.run_id,
+                             name=role, partitions=PARTITIONS, heartbeat_s=1.0)
+        self.tasks[runner] = asyncio.create_task(runner.run(), name=role)
+        self.incarnations[role].append(runner)
+        return runner
+
+    def live(self, role: str) -> ActorRunner:
+        return self.incarnations[role][-1]
+
+    async def stop(self, runners) -> None:
+        for r in runners:
+            r.stop()
+        for r in runners:
+            try:
+                await self.tasks.pop(r)
+            except Exception as exc:  # noqa: BLE001 - a crash is a finding, reported
+                self.crashes.append(f"{r.name}: {exc!r}")
+
+    def counter(self, role: str, name: str) -> int:
+        return sum(getattr(r, name) for r in self.incarnations[role])
+
+    def learner(self) -> Learner:
+        actor = self.live("learner").actor
+        assert isinstance(actor, Learner)
+        return actor
+
+    def keeper(self) -> Keeper:
+        actor = self.live("keeper").actor
+        assert isinstance(actor, Keeper)
+        return actor
+
+    def version(self) -> int:
+        """The newest policy version any learner incarnation has published or restored."""
+        return max((r.actor.core.version for r in self.incarnations.get("learner", [])
+                    if isinstance(r.actor, Learner)), default=-1)
+
+    async def until(self, ready, what: str) -> None:
+        while not await ready():
+            for r, task in list(self.tasks.items()):
+                if task.done():
+                    del self.tasks[r]
+                    exc = task.exception() if not task.cancelled() else None
+                    self.crashes.append(f"{r.name}: {exc!r} (while waiting until {what})")
+            if self.crashes:
+                raise RuntimeError(f"a role crashed: {self.crashes}")
+            if time.monotonic() > self.deadline:
+                raise TimeoutError(f"timed out waiting until {what}")
+            await asyncio.sleep(0.25)
+
+
+async def first_record(bus, topic: str, run_id: str) -> bytes | None:
+    async for _record, event in read_events(bus, [topic], run_id=run_id):
+        if topic != POLICY_VERSION or isinstance(event, PolicyVersion):
+            return _record.value
+    return None
+
+
+async def scene_of(bus, cfg, outside: Path, port: int, version: int) -> Scene:
+    """The crafting context: one real record per attacked topic, the sentinel checkpoint."""
+    run_id = cfg.run.run_id
+    live = {t: v for t in {r.topic for r in ROWS}
+            if (v := await first_record(bus, t, run_id)) is not None}
+    step = msgspec.msgpack.decode(live[TRAJECTORY_STEP])
+    ref = save_weights(CheckpointStore(str(outside)), build_policy(cfg, build_tokenizer(cfg)),
+                       99, {"run_id": run_id})
+    return Scene(run_id=run_id, run_dir=Path(cfg.run.run_dir), outside=outside,
+                 sentinel=Path(ref.address), sentinel_sha=ref.sha256, port=port,
+                 version=version, live=live, live_step=step)
+
+
+async def locate(bus, published: dict[str, tuple[str, bytes]]
+                 ) -> dict[str, tuple[str, int, int]]:
+    """(topic, partition, offset) of each row's hostile record (the last with its bytes: a
+    duplicate repeats a real record's bytes)."""
+    topics = sorted({topic for topic, _ in published.values()})
+    wanted = {(topic, value): name for name, (topic, value) in published.items()}
+    found: dict[str, tuple[str, int, int]] = {}
+    async for record in iter_topics(bus, topics):
+        name = wanted.get((record.topic, record.value))
+        if name is not None:
+            found[name] = (record.topic, record.partition, record.offset)
+    return found
+
+
+async def committed_past(bus, run_id: str, located) -> dict[str, list[str]]:
+    """Per role, the crafted records it has not committed past yet."""
+    behind: dict[str, list[str]] = defaultdict(list)
+    for name, (topic, partition, offset) in located.items():
+        for role in consumers(topic):
+            if (await bus.committed(f"{run_id}.{role}", topic)).get(partition, 0) <= offset:
+                behind[role].append(name)
+    return behind
+
+
+async def dead_letters(bus, run_id: str) -> list[DeadLetter]:
+    return [e async for _, e in read_events(bus, [DEAD_LETTER], run_id=run_id)
+            if isinstance(e, DeadLetter)]
+
+
+async def audit(bus, cfg, refused: set[tuple[str, int, int]]):
+    """The invariant checker over the run's events, the refused crafted records left out
+    (a crafted record that was refused is not part of the run; one that was not refused
+    is checked like any)."""
+    run_id = cfg.run.run_id
+    known = {t.name for t in await bus.topics()}
+    by_topic: dict[str, list] = defaultdict(list)
+    undecodable: list[str] = []
+    async for record in iter_topics(bus, [t for t in TOPICS if t in known]):
+        where = (record.topic, record.partition, record.offset)
+        if where in refused:
+            continue
+        try:
+            event = decode(record.topic, record.value, bus.max_message_bytes)
+        except DecodeError as exc:
+            undecodable.append(f"{where}: {exc.reason[:120]}")
+            continue
+        if event.run_id == run_id:
+            by_topic[record.topic].append((record.partition, record.offset, event))
+    committed = {role: await bus.committed(f"{run_id}.{role}", topic)
+                 for role, topic in CONSUMED.items()}
+    report = check_run(RunEvents(dict(by_topic), committed),
+                       segment_store=f"{cfg.run.run_dir}/segments.zarr",
+                       checkpoint_dir=f"{cfg.run.run_dir}/checkpoints",
+                       max_staleness=cfg.loop.max_staleness)
+    return report, undecodable
+
+
+# -- judging each row ---------------------------------------------------------------------------
+
+def judge(row: Row, where, letters: list[DeadLetter], counts: dict[str, dict[str, int]],
+          expected: dict[str, dict[str, int]], keeper_slots: list[str], crafted: bytes) -> dict:
+    """One row's outcome: how the run refused its record, and whether that is the refusal
+    the row demands (``ok``)."""
+    roles = sorted({dl.actor for dl in letters})
+    out = {"name": row.name, "topic": row.topic, "expect": row.expect,
+           "role": ", ".join(row.refusers or consumers(row.topic)), "dead_letters": len(letters)}
+    if where is None:
+        return {**out, "outcome": "not published", "reason": "", "ok": False}
+    if row.expect == "dead-letter":
+        missing = sorted(set(row.refusers) - set(roles))
+        outcome = "dead-lettered" if not missing else (
+            f"dead-lettered by {', '.join(roles)} only" if roles else "accepted")
+        reason = letters[0].reason if letters else f"no dead letter from {', '.join(missing)}"
+        return {**out, "outcome": outcome, "reason": reason, "ok": not missing}
+    if row.expect == "not-folded":
+        address = msgspec.msgpack.decode(crafted).get("address", "")
+        folded = address in keeper_slots
+        return {**out, "role": "keeper (restart)", "outcome": "folded" if folded else
+                "not folded", "ok": not folded and not letters,
+                "reason": f"the restarted keeper skipped it as untrusted "
+                          f"(untrusted events at its restart: {counts['keeper']['untrusted']})"}
+    counter = "duplicates" if row.expect == "duplicate" else "foreign"
+    short = [r for r in consumers(row.topic) if counts[r][counter] < expected[r][counter]]
+    moved = ", ".join(f"{r} +{counts[r][counter]}" for r in consumers(row.topic))
+    what = "its event id was handled already" if counter == "duplicates" \
+        else "another run's event"
+    return {**out, "outcome": "skipped" if not short else "not skipped by " + ", ".join(short),
+            "reason": f"{what}: skipped by every consumer ({counter}: {moved})",
+            "ok": not short and not letters}
+
+
+# -- one measurement ------------------------------------------------------------------------------
+
+async def measure(url: str, cfg, rows: tuple[Row, ...], tmp: Path, *, versions_after: int = 1,
+                  restart: tuple[str, ...] = RESTARTED, timeout_s: float = 900,
+                  progress=lambda what: None) -> dict:
+    """Run the matrix on ``url``; the figures and the rows as a dict."""
+    started = time.monotonic()
+    outside, cwd = tmp / "outside", tmp / "cwd"
+    cwd.mkdir(parents=True, exist_ok=True)
+    listener = Listener()
+    run_id = cfg.run.run_id
+    try:
+        with working_directory(cwd):
+            async with open_bus(url) as bus, \
+                    open_bus(url, max_message_bytes=ATTACKER_LIMIT) as attacker:
+                await bus.create_topics(ALL_TOPICS, PARTITIONS)
+                run = Run(bus, cfg, time.monotonic() + timeout_s)
+                state = await _attack(run, bus, attacker, cfg, rows, outside, cwd, listener,
+                                      versions_after, restart, progress)
+                letters = await dead_letters(bus, run_id)
+                result = await _judge_all(run, bus, cfg, rows, letters, state)
+    finally:
+        listener.close()
+    result["outbound_connections"] = listener.accepted
+    result["seconds"] = round(time.monotonic() - started, 1)
+    return result
+
+
+async def _attack(run: Run, bus, attacker, cfg, rows, outside: Path, cwd: Path,
+                  listener: Listener, versions_after: int, restart: tuple[str, ...],
+                  progress) -> dict:
+    """Start every role, craft and publish the rows, let the run go on, restart the roles
+    of ``restart``, stop. Returns what the judging needs."""
+    run_id = cfg.run.run_id
+    state: dict = {"timed_out": "", "published": {}, "located": {}, "port": listener.port}
+    for role in RUN_ROLES:
+        run.start(role)
+    try:
+        async def trained() -> bool:
+            return run.version() >= 1
+        await run.until(trained, "the learner published version 1")
+        scene = await scene_of(bus, cfg, outside, listener.port, run.version())
+        state["before"] = snapshot([outside, cwd])
+        state["base"] = {r: {c: run.counter(r, c) for c in ("duplicates", "foreign")}
+                         for r in RUN_ROLES}
+        v0 = run.version()
+        progress(f"version {v0}: publishing {len(rows)} hostile inputs")
+        for row in rows:
+            crafted = row.craft(scene)
+            await attacker.publish(row.topic, crafted.messages)
+            state["published"][row.name] = (row.topic, crafted.messages[crafted.hostile][1])
+        state["located"] = located = await locate(attacker, state["published"])
+
+        async def settled() -> bool:
+            return run.version() >= v0 + versions_after and \
+                not await committed_past(bus, run_id, located)
+        await run.until(settled, "every role committed past the inputs and trained on")
+        progress(f"version {run.version()}: restarting {', '.join(restart)}")
+        state["counts"] = {r: {c: run.counter(r, c) - state["base"][r][c]
+                               for c in ("duplicates", "foreign")} for r in RUN_ROLES}
+        state["pre_restart_version"] = before_restart = run.version()
+        await run.stop([run.live(role) for role in restart])
+        for role in restart:
+            run.start(role)
+
+        async def restarted() -> bool:
+            return run.version() > before_restart and run.live("keeper").processed > 0
+        await run.until(restarted, "the restarted learner trained and the keeper consumed")
+    except (TimeoutError, RuntimeError) as exc:
+        state["timed_out"] = str(exc)
+    finally:
+        await run.stop(list(run.tasks))
+    keeper = run.keeper()
+    state["keeper_slots"] = [k.address for k in keeper.slots.slots.values()]
+    state["keeper_untrusted"] = keeper.core.untrusted if keeper.core is not None else -1
+    state["restarted_learner_version"] = run.learner().core.version
+    state["versions_after"] = run.version() - v0 if "base" in state else 0
+    state["after"] = snapshot([outside, cwd]) if "before" in state else {}
+    return state
+
+
+async def _judge_all(run: Run, bus, cfg, rows, letters: list[DeadLetter], state: dict) -> dict:
+    run_id = cfg.run.run_id
+    located = state["located"]
+    at = {where: name for name, where in located.items()}
+    by_name: dict[str, list[DeadLetter]] = defaultdict(list)
+    collateral = []
+    for dl in letters:
+        name = at.get((dl.source_topic, dl.source_partition, dl.source_offset))
+        if name is None:
+            collateral.append(f"{dl.actor} {dl.source_topic}@{dl.source_offset}: {dl.reason[:160]}")
+        else:
+            by_name[name].append(dl)
+    counts = state.get("counts") or {r: {"duplicates": 0, "foreign": 0} for r in RUN_ROLES}
+    counts["keeper"]["untrusted"] = state["keeper_untrusted"]
+    expected: dict[str, dict[str, int]] = {r: {"duplicates": 0, "foreign": 0} for r in RUN_ROLES}
+    for row in rows:
+        if row.expect in ("duplicate", "foreign"):
+            for role in consumers(row.topic):
+                expected[role]["duplicates" if row.expect == "duplicate" else "foreign"] += 1
+    judged = [judge(row, located.get(row.name), by_name[row.name], counts, expected,
+                    state["keeper_slots"], state["published"].get(row.name, ("", b""))[1])
+              for row in rows]
+    refused = {located[j["name"]] for j in judged
+               if j["outcome"].startswith("dead-lettered") and j["name"] in located}
+    report, undecodable = await audit(bus, cfg, refused)
+    behind = await committed_past(bus, run_id, located)
+    wedged = dict(behind)
+    if state["versions_after"] < 1:
+        wedged.setdefault("learner", []).append("no policy version after the injection")
+    resumed = state["restarted_learner_version"]
+    if resumed < state.get("pre_restart_version", 0):
+        wedged.setdefault("learner", []).append(f"restarted at version {resumed}")
+    files = touched(state.get("before", {}), state["after"])
+    return {
+        "inputs": len(rows),
+        "dead_lettered": sum(1 for j in judged if j["dead_letters"] > 0),
+        "refused_as_required": sum(1 for j in judged if j["ok"]),
+        "crashes": len(run.crashes),
+        "wedged_roles": len(wedged),
+        "files_touched_outside_roots": len(files),
+        "lost": len(report.lost),
+        "duplicated": len(report.duplicated),
+        "corrupt": len(report.corrupt),
+        "undecodable_not_refused": len(undecodable),
+        "collateral_dead_letters": len(collateral),
+        "versions_after": state["versions_after"],
+        "timed_out": state["timed_out"],
+        "listen_port": state["port"],
+        "details": {"crashes": run.crashes, "wedged": wedged, "files": files[:10],
+                    "lost": report.lost[:5], "duplicated": report.duplicated[:5],
+                    "corrupt": report.corrupt[:5], "undecodable": undecodable[:5],
+                    "collateral": collateral[:5], "counts": report.counts},
+        "rows": [{k: j[k] for k in ("name", "topic", "role", "expect", "outcome",
+                                    "dead_letters", "reason", "ok")} for j in judged],
+    }
+
+
+def passed(result: dict) -> bool:
+    zero = ("crashes", "wedged_roles", "files_touched_outside_roots", "outbound_connections",
+            "lost", "duplicated", "corrupt", "undecodable_not_refused",
+            "collateral_dead_letters")
+    return (result["refused_as_required"] == result["inputs"] and not result["timed_out"]
+            and all(result[k] == 0 for k in zero))
+
+
+# -- the docs' table ---------------------------------------------------------------------------
+
+def markdown(result: dict, scrub: dict[str, str]) -> str:
+    """The table of rows (input, topic, role, outcome, reason) for ``docs/``; ``scrub``
+    replaces the run's temporary paths and port with placeholders."""
+    def clean(text: str) -> str:
+        for old, new in scrub.items():
+            text = text.replace(old, new)
+        text = text.replace("\n", " ")[:240]
+        return text.replace("|", "\\|").replace("<", "\\<")  # a cell, not HTML
+
+    what = {r.name: r.what for r in ROWS}
+    lines = [
+        "# Hostile inputs",
+        "",
+        "<!-- generated by `python ops/hostile.py --bus embedded --markdown "
+        "docs/hostile-inputs.md`; do not edit by hand -->",
+        "",
+        "Each row is a record `ops/hostile.py` crafts and publishes onto a topic of a live "
+        "run of every role; the reason is the one the run gave (dead-letter reason, or the "
+        "runner's counter). `<outside>` is a folder outside the run that holds a valid "
+        "checkpoint file (it must survive untouched), `<port>` a local socket that must "
+        "accept no connection. The run's figures and the command are in "
+        "[RELIABILITY.md](RELIABILITY.md#hostile-input-matrix-opshostilepy).",
+        "",
+        "| input | what | topic | refused by | outcome | reason |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in result["rows"]:
+        lines.append(f"| `{row['name']}` | {clean(what[row['name']])} | `{row['topic']}` | "
+                     f"{row['role']} | {row['outcome']} | {clean(row['reason'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description="Publish every hostile input of the matrix onto a live run of every "
+                    "role and check that each is refused with a reason, nothing crashes, "
+                    "wedges, touches files outside the run or connects out, and nothing "
+                    "is lost.")
+    parser.add_argument("--bus", default="embedded",
+                        help="embedded, kafka (starts its own Tansu broker) or kafka://host:port")
+    parser.add_argument("--fast", action="store_true", help="only the test suite's rows")
+    parser.add_argument("--versions-after", type=int, default=2,
+                        help="policy versions the learner must publish after the injection")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds for the whole run")
+    parser.add_argument("--markdown", type=Path,
+                        help="also write the rows as the docs' table to this file")
+    args = parser.parse_args(argv)
+    configure_logging("ERROR")
+    broker = None
+    with tempfile.TemporaryDirectory(prefix="gyre-hostile-") as tmp_name:
+        tmp = Path(tmp_name)
+        if args.bus == "embedded":
+            url = f"sqlite:///{tmp}/events.db"
+        elif args.bus == "kafka":
+            from brokers import start_broker
+
+            broker = start_broker("tansu", data_dir=f"{tmp}/tansu")
+            url = f"kafka://{broker.host}:{broker.port}"
+        else:
+            url = args.bus
+        (tmp / "run").mkdir()
+        cfg = tiny_config(tmp / "run", f"hostile-{int(time.time())}")
+        try:
+            result = asyncio.run(measure(
+                url, cfg, FAST_ROWS if args.fast else ROWS, tmp,
+                versions_after=args.versions_after, timeout_s=args.timeout,
+                progress=lambda what: print(what, file=sys.stderr, flush=True)))
+        finally:
+            if broker is not None:
+                broker.stop()
+        scrub = {str(tmp / "outside"): "<outside>", str(tmp / "run"): "<run>",
+                 str(tmp): "<tmp>", cfg.run.run_id: "<run-id>"}
+    result["bus"] = "embedded" if args.bus == "embedded" else "kafka"
+    result["ok"] = passed(result)
+    if args.markdown is not None:
+        scrub[f"127.0.0.1:{result['listen_port']}"] = "127.0.0.1:<port>"
+        args.markdown.write_text(markdown(result, scrub))
+    print(json.dumps(result))
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -19,6 +19,11 @@ fold of the run's ``scored`` events and our ``drift-report`` events
 another replica of ``gyre launch --replicas arbiter=N`` leaving) they are read back and
 applied, live each output is applied as it is made, so a redelivered or handed-over
 segment is never scored, and never paid, twice.
+
+Bad input is refused, never kept: a segment longer than the run's
+``segmenter.max_segment_steps`` (or than any segment may be, at decode), or whose verdict
+would not fit on the bus (:class:`~gyre_async.errors.OutputTooLarge`, raised before the
+state changes), goes to ``dead-letter`` with the reason, and the arbiter scores on.
 """
 
 from __future__ import annotations
@@ -36,17 +41,20 @@ class Arbiter(Actor):
     consumes = (SEGMENT_CLOSED,)
     emits = (SCORED, TELEMETRY)
 
-    def __init__(self, config: ArbiterConfig):
+    def __init__(self, config: ArbiterConfig, max_segment_steps: int | None = None):
         self.config = config
         self.core = ArbiterCore(config)  # builds rules now: bad config fails at start
         self.rebuild = ReadCounts()  # what the restart read back (undecodable records skipped)
+        #: the run's segmenter never closes a longer segment: a longer one is refused
+        self.max_segment_steps = max_segment_steps
 
     @classmethod
     def from_config(cls, cfg: Config) -> Arbiter:
-        return cls(cfg.arbiter)
+        return cls(cfg.arbiter, cfg.segmenter.max_segment_steps)
 
     async def on_start(self) -> None:
         self.core.producer = self.runner.name  # our outputs, and our drift reports, carry it
+        self.core.max_event_bytes = self.runner.bus.max_message_bytes
 
     async def assignment_changed(self, added, removed) -> None:
         if any(topic == SEGMENT_CLOSED for topic, _ in added):
@@ -63,6 +71,10 @@ class Arbiter(Actor):
     async def handle(self, event, record):
         match event:
             case SegmentClosed():
+                steps = event.step_end - event.step_start
+                if self.max_segment_steps is not None and steps > self.max_segment_steps:
+                    raise ValueError(f"segment of {steps} steps, longer than this run's "
+                                     f"segmenter.max_segment_steps ({self.max_segment_steps})")
                 return [Emit(TELEMETRY if isinstance(e, DriftReport) else SCORED, e)
                         for e in self.core.handle(event)]
         return []

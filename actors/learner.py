@@ -6,6 +6,9 @@ emits:    policy-version (PolicyVersion), telemetry (SegmentDropped, CriticReset
 A thin adapter over :class:`gyre_async.core.learner.LearnerCore`, which decides what to
 train on, runs the update and follows rollbacks: this module moves events and bytes
 (segment arrays in, checkpoints out) and keeps the slow parts off the event loop.
+A buffered segment whose later processing fails on its own (unreadable, arrays that do not
+match its event, an update that raises) is refused once, visibly (``segment-dropped`` and a
+dead letter with the reason), and leaves the buffer: never kept to fail every later batch.
 Restart: it resumes from its latest ``policy-version`` checkpoint; buffered, untrained
 segments are redelivered because the runtime never commits past them (``commit_floor``).
 Data-parallel (``learner.world_size > 1``): this is rank 0, the only learner on the bus;
@@ -26,15 +29,17 @@ from gyre_async import timing
 from gyre_async.audit.credit_log import restore_outcome_book
 from gyre_async.audit.redelivery import recently_trained
 from gyre_async.audit.runlog import current_policy_version
+from gyre_async.bus import Record
 from gyre_async.compose import build_policy, build_tokenizer, load_weights, save_weights
 from gyre_async.core.learner import Dropped, LearnerCore, TrainResult, VersionReason
 from gyre_async.core.learner_dp import LearnerGroup, membership
+from gyre_async.errors import is_retriable
 from gyre_async.experience.elite import open_elite_pool
 from gyre_async.runtime.actor import Actor, Emit
 from gyre_async.storage.checkpoints import CheckpointStore
-from gyre_async.storage.errors import SegmentStoreError
 from gyre_async.storage.readable import unreadable_segments
 from gyre_async.storage.store_set import SegmentStores
+from schemas import encode
 from schemas.config import Config
 from schemas.events import RewardFailed, Rollback, Scored
 from schemas.topics import KEEPER, POLICY_VERSION, SCORED, TELEMETRY
@@ -126,13 +131,19 @@ class Learner(Actor):
         try:
             arrays = await asyncio.to_thread(
                 _timed, "storage", lambda: self.segments.read_many(addresses))
-        except (SegmentStoreError, ValueError):  # corrupt, missing, foreign: refuse those
+        except Exception as exc:  # noqa: BLE001 - corrupt, missing, foreign: refuse those
+            if is_retriable(exc):
+                raise  # a busy store: the runtime retries
             bad = await asyncio.to_thread(unreadable_segments, self.segments, addresses)
-            return [self._dropped(d) for d in self.core.drop_buffer("unreadable", bad)]
-        self.core.attach_arrays(arrays)
+            # read together they fail, alone each reads: none is kept to fail again
+            bad = bad or dict.fromkeys(addresses, f"batch read failed: {exc!r}")
+            return self._refused(self.core.drop_buffer("unreadable", bad, bad_input=True))
+        mismatched = self.core.attach_arrays(arrays)
+        if mismatched:  # the rest trains with the next input (as after an unreadable one)
+            return self._refused(mismatched)
         outcome = await asyncio.to_thread(_timed, "learner", lambda: self.group.update(self.core))
         if not isinstance(outcome, TrainResult):
-            return [self._dropped(d) for d in outcome]
+            return self._refused(outcome)
         self.train_seconds += time.monotonic() - started
         update = await self._publish("update", outcome.metrics, outcome)
         return [update, *self._critic_resets(outcome.skipped)]
@@ -148,6 +159,19 @@ class Learner(Actor):
 
     def _critic_resets(self, skipped: bool) -> list[Emit]:
         return [Emit(TELEMETRY, e) for e in self.core.critic_reset_events(self.runner.name, skipped)]
+
+    def _refused(self, dropped: list[Dropped]) -> list[Emit]:
+        """Refused segments announced, and those that failed on their own (``bad_input``)
+        dead-lettered as well: each once, with the reason, then gone from the buffer."""
+        out = []
+        for d in dropped:
+            out.append(self._dropped(d))
+            if d.bad_input and d.where is not None:
+                partition, offset = d.where
+                record = Record(SCORED, partition, offset, d.scored.trajectory_id.encode(),
+                                encode(d.scored), d.scored.ts)
+                out.append(self.runner.dead_letter(record, d.reason))
+        return out
 
     def _dropped(self, dropped: Dropped) -> Emit:
         """A refused segment, announced: counted by the core, never silently lost."""

@@ -18,6 +18,11 @@ whoever wrote it, so steps another segmenter already segmented are skipped; when
 partitions leave it (a replica joined), it forgets their open and unwritten segments, which
 the new owner reads again from the commit floor. A segment closed by both in the moment of
 a hand-over has one id (it is deterministic) and is handled once downstream.
+
+Bad input is refused, never kept: a closed segment whose announcement would not fit on the
+bus (long action texts) is split into parts that do (:mod:`gyre_async.core.segment_fit`),
+and one that cannot be written for good (its id already holds other content) is
+dead-lettered with the reason while the rest of its batch is written and announced.
 """
 
 from __future__ import annotations
@@ -25,18 +30,23 @@ from __future__ import annotations
 import asyncio
 
 from gyre_async import timing
+from gyre_async.bus import Record
 from gyre_async.bus.reading import read_events
+from gyre_async.core.segment_fit import fit_to_bus
 from gyre_async.core.segmenter import (
+    ClosedSegment,
     PendingWrites,
     SegmenterCore,
     segment_arrays,
     segment_closed,
     segment_id,
 )
+from gyre_async.errors import is_retriable
 from gyre_async.experience.retention import Retention, incoming_bytes
 from gyre_async.runtime.actor import Actor, Emit
-from gyre_async.storage.segments import SegmentStore
+from gyre_async.storage.segments import SegmentRef, SegmentStore
 from gyre_async.storage.store_set import segment_store_url
+from schemas import encode
 from schemas.config import Config, SegmenterConfig
 from schemas.events import EnvError, SegmentClosed, TrajectoryStep
 from schemas.topics import SEGMENT_CLOSED, TRAJECTORY_STEP
@@ -97,13 +107,54 @@ class Segmenter(Actor):
         due = self.pending.take_due(asyncio.get_running_loop().time())
         if not due:
             return []
+        due = [part for seg in due for part in self._fitting(seg)]
         items = [(segment_id(self.run_id, seg), segment_arrays(seg)) for seg in due]
         await self.retention.follow(self.runner.bus)  # what the learner is done with
-        refs = await asyncio.to_thread(self._write, items)
+        try:
+            refs = await asyncio.to_thread(self._write, items)
+        except Exception as exc:  # noqa: BLE001 - routed by `retriable`
+            if is_retriable(exc):
+                raise  # a full disk: the supervisor restarts us, the steps come again
+            return await self._write_each(due, items)
         self.segments += len(due)
         return [Emit(SEGMENT_CLOSED, segment_closed(seg, sid, ref, run_id=self.run_id,
                                                     producer=self.runner.name))
                 for seg, (sid, _), ref in zip(due, items, refs)]
+
+    async def _write_each(self, due: list[ClosedSegment], items) -> list[Emit]:
+        """A batched write failed for good: each segment alone, so one that cannot be
+        written (e.g. its id already holds other content) is dead-lettered, with the reason,
+        and the others are announced. Kept, it would fail every later write (and, raised,
+        crash the segmenter at every start on the same steps)."""
+        out: list[Emit] = []
+        for seg, item in zip(due, items):
+            try:
+                (ref,) = await asyncio.to_thread(self._write, [item])
+            except Exception as exc:  # noqa: BLE001 - routed by `retriable`
+                if is_retriable(exc):
+                    raise
+                first = seg.steps[0]
+                partition, offset = seg.first_offset
+                record = Record(TRAJECTORY_STEP, partition, offset, first.key.encode(),
+                                encode(first), first.ts)
+                out.append(self.runner.dead_letter(record, (
+                    f"segment of steps [{first.step_index}, {seg.steps[-1].step_index + 1}) "
+                    f"of trajectory {seg.trajectory_id!r} not written: {exc!r}")))
+                continue
+            self.segments += 1
+            out.append(Emit(SEGMENT_CLOSED, segment_closed(
+                seg, item[0], ref, run_id=self.run_id, producer=self.runner.name)))
+        return out
+
+    def _fitting(self, seg: ClosedSegment) -> list[ClosedSegment]:
+        """``seg``, split where its announcement would not fit on the bus (long action
+        texts): :mod:`gyre_async.core.segment_fit`. The margin covers what the placeholder
+        address and hash cannot know."""
+        def announce(part: ClosedSegment) -> SegmentClosed:
+            sid = segment_id(self.run_id, part)
+            ref = SegmentRef(self.store.address(sid), "0" * 64)
+            return segment_closed(part, sid, ref, run_id=self.run_id, producer=self.runner.name)
+        return fit_to_bus(seg, announce, self.runner.bus.max_message_bytes - 256)
 
     def _write(self, items):
         with timing.timed("storage"):

@@ -16,6 +16,7 @@ import msgspec
 
 from gyre_async.errors import ConfigError
 from schemas.config import Config
+from schemas.events import MAX_STEPS_PER_SEGMENT
 
 
 def load_config(path: str | os.PathLike | None) -> Config:
@@ -49,6 +50,9 @@ def validate(cfg: Config, where: str = "config") -> None:
         problems.append("bus.partitions must be >= 1")
     if cfg.bus.max_message_bytes < 1024:
         problems.append("bus.max_message_bytes must be >= 1024")
+    if cfg.segmenter.max_segment_steps > MAX_STEPS_PER_SEGMENT:
+        problems.append(f"segmenter.max_segment_steps must be <= {MAX_STEPS_PER_SEGMENT} "
+                        "(a segment's verdict carries one reward per step)")
     if cfg.sampler.group_size < 1:
         problems.append("sampler.group_size must be >= 1 (episodes per task; 1: no groups)")
     if not 0.0 <= cfg.learner.fusion_max_weight <= 1.0:

@@ -21,3 +21,12 @@ class ConfigError(GyreError):
 
 def is_retriable(exc: BaseException) -> bool:
     return bool(getattr(exc, "retriable", False))
+
+
+class OutputTooLarge(GyreError):
+    """An output an input would make is larger than the bus carries: the input is refused
+    (dead-lettered with this reason) rather than the output crashing the publish."""
+
+    def __init__(self, what: str, size: int, limit: int):
+        super().__init__(f"output too large: {what} of {size} bytes > bus limit {limit} bytes")
+        self.size, self.limit = size, limit

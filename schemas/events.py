@@ -26,6 +26,10 @@ SCHEMA_VERSION = 1
 MAX_TOKENS_PER_STEP = 8192
 MAX_TEXT_CHARS = 16384
 MAX_TOKEN_ID = 2**31 - 1  # token ids are stored as int32 in the segment store
+#: Longest segment an event may announce: its ``scored`` verdict carries one reward per step
+#: (9 bytes each on the wire), so this keeps it far below the bus limit. The segmenter's
+#: ``max_segment_steps`` is validated against it.
+MAX_STEPS_PER_SEGMENT = 8192
 
 
 def event_id(*parts: object) -> str:
@@ -203,8 +207,14 @@ class SegmentClosed(Event, tag="segment-closed", frozen=True, kw_only=True):
         _non_negative("step_start", self.step_start)
         if self.step_end <= self.step_start:
             raise ValueError("step_end must be > step_start")
-        if len(self.feedback) not in (0, self.step_end - self.step_start):
+        steps = self.step_end - self.step_start
+        if steps > MAX_STEPS_PER_SEGMENT:  # its verdict would carry a reward per step
+            raise ValueError(f"step range [{self.step_start}, {self.step_end}) spans {steps} "
+                             f"steps, more than a segment may ({MAX_STEPS_PER_SEGMENT})")
+        if len(self.feedback) not in (0, steps):
             raise ValueError("feedback must have one value per step")
+        if len(self.actions) not in (0, steps):
+            raise ValueError("actions must have one text per step")
         if self.milestone_steps and len(self.milestone_steps) != len(self.milestones):
             raise ValueError("milestone_steps must have one step per milestone")
         if any(not self.step_start <= s < self.step_end for s in self.milestone_steps):

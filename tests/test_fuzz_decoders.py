@@ -163,6 +163,8 @@ def _repair(cls: type, kw: dict) -> dict:
             n = len(kw["feedback"])
         kw["step_end"] = kw["step_start"] + n
         kw["min_policy_version"] = abs(kw["min_policy_version"])
+        if kw.get("actions"):  # one text per step
+            kw["actions"] = [kw["actions"][i % len(kw["actions"])] for i in range(n)]
         if "milestone_steps" in kw:
             kw["milestone_steps"] = [kw["step_start"] + i % n
                                      for i in range(len(kw.get("milestones", [])))]

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from gyre_async.bus.base import Bus
-from gyre_async.bus.reading import READ_BACK_MAX_BYTES, end_offsets
+from gyre_async.bus.reading import end_offsets, read_back_limit
 from schemas import DecodeError, Event, decode
 from schemas.events import TrajectoryStep
 
@@ -52,7 +52,7 @@ async def _uncommitted_steps(bus: Bus, topic: str, committed: Mapping[int, int],
                 if record.offset + 1 >= end:
                     del remaining[record.partition]
                 try:
-                    steps += steps_of(decode(topic, record.value, READ_BACK_MAX_BYTES))
+                    steps += steps_of(decode(topic, record.value, read_back_limit(bus)))
                 except DecodeError:
                     continue  # dead-lettered by the group anyway: no steps to weigh
     finally:

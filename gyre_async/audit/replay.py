@@ -18,7 +18,7 @@ import msgspec
 
 from gyre_async.bus import Bus
 from gyre_async.bus.embedded import EmbeddedBus
-from gyre_async.bus.reading import read_events, read_topics
+from gyre_async.bus.reading import read_back_limit, read_events, read_topics
 from gyre_async.runtime.actor import ActorRunner
 from gyre_async.runtime.topology import build_actor
 from schemas import to_builtins
@@ -83,7 +83,9 @@ async def replay(recorded: Bus, role: str, cfg: Config, *, name: str | None = No
     name = name or role
     actor = build_actor(role, cfg)
     report = ReplayReport(role=role)
-    inputs = await read_topics(recorded, actor.consumes)
+    # a record over the live size limit was dead-lettered live: it is not an input to replay
+    limit = read_back_limit(recorded)
+    inputs = [r for r in await read_topics(recorded, actor.consumes) if len(r.value) <= limit]
     report.inputs = len(inputs)
     # A run stopped mid-stream leaves inputs its actor never got to; outputs the replay
     # makes from them are "not reached", not differences.
@@ -92,7 +94,7 @@ async def replay(recorded: Bus, role: str, cfg: Config, *, name: str | None = No
     recorded_out = await _outputs_by_id(recorded, emitted, name)
     partitions = {t.name: t.partitions for t in await recorded.topics()}
     with tempfile.TemporaryDirectory(prefix="gyre-replay-") as tmp:
-        async with EmbeddedBus(f"{tmp}/scratch.db") as scratch:
+        async with EmbeddedBus(f"{tmp}/scratch.db", max_message_bytes=limit) as scratch:
             for topic in actor.consumes:
                 await scratch.create_topics([topic], partitions.get(topic, 4))
             by_topic: dict[str, list] = {}

@@ -18,8 +18,14 @@ from schemas import DecodeError, Event, decode
 
 log = structlog.get_logger(__name__)
 
-#: Read-back decodes without the live limit: whatever the bus accepted is part of the run.
-READ_BACK_MAX_BYTES = 1 << 40
+
+def read_back_limit(bus: Bus) -> int:
+    """The size limit a record read back is decoded with: the bus's own, the one live
+    consumers decode with. A record over it was refused (dead-lettered) live, so every
+    reader treats it the same way (its declared bad-record policy), never decodes it: a
+    restart, a replay or a report must not take in what the live run refused, nor spend
+    memory on an event the size of a forged record."""
+    return bus.max_message_bytes
 
 
 async def end_offsets(bus: Bus, topics: Sequence[str]) -> dict[tuple[str, int], int]:
@@ -105,15 +111,17 @@ async def read_events(
     ``counts`` (and logs it) and goes on, which suits views and rebuilds that must survive a
     poisoned record the way live actors do (those records sit in ``dead-letter`` already);
     ``"raise"`` stops with :class:`UndecodableRecord`, which suits audits that must not
-    report on a partial log. Events are read without the live size limit: whatever the bus
-    accepted is part of the run. With ``run_id``, only that run's events are yielded (topics
+    report on a partial log. Events are decoded with the live size limit
+    (:func:`read_back_limit`): an oversized record is a bad record like any other. With
+    ``run_id``, only that run's events are yielded (topics
     are shared by every run on a cluster; the others are counted in ``counts.foreign``).
     """
     seen = counts if counts is not None else ReadCounts()
+    limit = read_back_limit(bus)
     async for record in iter_topics(bus, topics, follow=follow):
         seen.next_offsets[(record.topic, record.partition)] = record.offset + 1
         try:
-            event = decode(record.topic, record.value, READ_BACK_MAX_BYTES)
+            event = decode(record.topic, record.value, limit)
         except DecodeError as exc:
             if on_bad == "raise":
                 raise UndecodableRecord(record, exc.reason) from None

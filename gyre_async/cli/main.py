@@ -8,7 +8,7 @@ import json
 import sys
 
 from gyre_async.bus import open_bus
-from gyre_async.bus.reading import READ_BACK_MAX_BYTES
+from gyre_async.bus.reading import read_back_limit
 from gyre_async.config import bus_url, load_config
 from gyre_async.errors import ConfigError, OutOfSpace
 from gyre_async.runtime.logs import configure_logging
@@ -295,7 +295,7 @@ async def _tail(url: str, args) -> int:
                             "timestamp": r.timestamp}
                     try:  # a record viewer: a bad record is shown where it lies, with why
                         line["event"] = to_builtins(decode(r.topic, r.value,
-                                                           READ_BACK_MAX_BYTES))
+                                                           read_back_limit(bus)))
                     except DecodeError as exc:
                         line["undecodable"] = exc.reason
                     out.write(json.dumps(line, default=str) + "\n")
@@ -316,7 +316,7 @@ async def _tail(url: str, args) -> int:
 async def _replay(url: str, cfg, args) -> int:
     from gyre_async.audit.replay import replay, report_json
 
-    async with open_bus(url) as bus:
+    async with open_bus(url, max_message_bytes=cfg.bus.max_message_bytes) as bus:
         report = await replay(bus, args.role, cfg, name=args.name)
     if args.json:
         sys.stdout.write(report_json(report).decode() + "\n")

@@ -19,14 +19,20 @@ share one) are folded alike, so a partition that moves from one arbiter to anoth
 its pay-once record and is never scored twice; drift reports are each arbiter's own (its
 schedule counts what it handled). The caller keeps other runs' events out. Precedence and
 the failure policy are :mod:`gyre_async.rewards.arbitration`'s.
+
+Outputs are measured before they are applied: one larger than ``max_event_bytes`` (the
+bus limit) raises :class:`~gyre_async.errors.OutputTooLarge` with the state untouched, so
+the runtime dead-letters the segment and the live state stays the fold of the log.
 """
 
 from __future__ import annotations
 
+from gyre_async.errors import OutputTooLarge
 from gyre_async.rewards.arbitration import Arbitration
 from gyre_async.rewards.drift import DriftWatch
 from gyre_async.rewards.guards import NEW_TRAJECTORY, FarmState
-from schemas import Event
+from schemas import Event, encode
+from schemas.codec import MAX_EVENT_BYTES
 from schemas.config import ArbiterConfig
 from schemas.events import DriftReport, RewardFailed, Scored, SegmentClosed
 
@@ -34,8 +40,10 @@ from schemas.events import DriftReport, RewardFailed, Scored, SegmentClosed
 class ArbiterCore:
     """Scores segments; its state is the fold of its own verdicts and drift reports."""
 
-    def __init__(self, config: ArbiterConfig, producer: str = "arbiter"):
+    def __init__(self, config: ArbiterConfig, producer: str = "arbiter",
+                 max_event_bytes: int = MAX_EVENT_BYTES):
         self.config, self.producer = config, producer
+        self.max_event_bytes = max_event_bytes  # the bus limit (the actor sets its bus's)
         self.arbitration = Arbitration(config)  # builds rules now: bad config fails at start
         self.drift = DriftWatch(config, self.arbitration.prm)
         self.paid: dict[str, set[str]] = {}
@@ -77,19 +85,22 @@ class ArbiterCore:
 
     def handle(self, segment: SegmentClosed) -> list[Event]:
         """Live: the segment's outputs (a drift report first when a check is due, then its
-        ``scored`` or ``reward-failed`` events), each applied before it is returned."""
+        ``scored`` or ``reward-failed`` events), each applied before it is returned; all
+        measured first (:class:`OutputTooLarge`: nothing applied, nothing returned)."""
         if segment.segment_id in self.handled:
             return []  # redelivered: its verdict is already in our log
-        out: list[Event] = []
         report = self.drift.check(segment.run_id, self.producer, len(self.handled))
-        if report is not None:
-            out.append(report)
-            self.apply(report)
         verdict = self.arbitration.score(
             segment, self.paid.get(segment.trajectory_id, set()), self.producer,
-            prm_weight=self.drift.weight,
+            prm_weight=self.drift.weight if report is None else report.weight,
             farm_state=self.farm.get(segment.trajectory_id, NEW_TRAJECTORY))
-        for event in [verdict.scored] if verdict.scored is not None else verdict.failed:
-            out.append(event)
+        out: list[Event] = [] if report is None else [report]
+        out += [verdict.scored] if verdict.scored is not None else verdict.failed
+        for event in out:
+            size = len(encode(event))
+            if size > self.max_event_bytes:
+                raise OutputTooLarge(f"{type(event).__name__} of segment "
+                                     f"{segment.segment_id}", size, self.max_event_bytes)
+        for event in out:
             self.apply(event)
         return out

@@ -37,6 +37,7 @@ import torch
 from gyre_async.core.learner_batch import BatchItem, PreparedBatch, prepare_batch
 from gyre_async.core.learner_dp import AveragedSteps, DataParallel
 from gyre_async.core.learner_ppo import PpoEpochs
+from gyre_async.errors import is_retriable
 from gyre_async.experience.elite import ElitePool, offer_trained, sample_for
 from gyre_async.rl.critic import CriticGuard, Divergence, complete_returns
 from gyre_async.rl.finite import NonFiniteBatch, check_batch_finite
@@ -72,6 +73,10 @@ class Dropped:
     reason: str
     staleness: int  # versions between the learner and the segment's oldest step
     consumed_steps: int = 0  # the learner's trained + dropped steps, this drop included
+    #: the input itself failed later processing (unreadable, arrays that do not match it,
+    #: an update that raised): the actor dead-letters it at ``where`` (partition, offset)
+    bad_input: bool = False
+    where: tuple[int, int] | None = None
 
     def event(self, producer: str) -> SegmentDropped:
         scored = self.scored
@@ -92,6 +97,35 @@ class TrainResult:
     skipped: bool  # the critic's advantage alarm refused the update (weights untouched)
     trained_segments: list[str]  # the fresh segments (elite ones never came from the bus)
     threads: int = 0  # torch's intra-op threads that computed the batch (replay uses as many)
+
+
+#: what every segment's arrays must hold, one row per step (the rest is per segment)
+_PER_STEP = ("context_tokens", "context_len", "action_tokens", "action_logprobs",
+             "action_mask")
+_PER_SEGMENT = ("bootstrap_context", "bootstrap_len", "terminal")
+
+
+def _mismatch(item: BatchItem) -> str:
+    """Why ``item``'s arrays cannot be trained with its ``scored`` event ("": they can)."""
+    arrays, sid = item.arrays, item.scored.segment_id
+    # a one-sequence segment holds its contexts in sequence_tokens (core.segmenter)
+    sequence = "sequence_tokens" in arrays
+    per_step = [k for k in _PER_STEP if not (sequence and k == "context_tokens")]
+    missing = [k for k in (*per_step, *_PER_SEGMENT, *(("sequence_len",) if sequence else ()))
+               if k not in arrays]
+    if missing:
+        return f"segment {sid} has no {', '.join(missing)}"
+    rows = {k: len(arrays[k]) for k in per_step}
+    if set(rows.values()) != {item.steps}:
+        return (f"segment {sid}: the scored event spans {item.steps} "
+                f"steps, its stored arrays {sorted(set(rows.values()))} rows")
+    if any(len(arrays[k]) < 1 for k in _PER_SEGMENT):
+        return f"segment {sid}: empty per-segment arrays"
+    if sequence:
+        ends = arrays["context_len"] + arrays["action_mask"].sum(axis=1)
+        if (arrays["context_len"] < 1).any() or int(ends.max()) > int(arrays["sequence_len"][0]):
+            return f"segment {sid}: a step lies outside its sequence"
+    return ""
 
 
 def _finite_or(x: float, fallback: float = -1.0) -> float:
@@ -170,7 +204,10 @@ class LearnerCore:
         return scored.segment_id in self.trained_before
 
     def add(self, scored: Scored, where: tuple[int, int]) -> Dropped | None:
-        """Buffer a scored segment, or refuse it (returned, counted)."""
+        """Buffer a scored segment, or refuse it (returned, counted). Idempotent: a segment
+        already buffered (its handler retried after a transient error) is not added twice."""
+        if any(b.scored.segment_id == scored.segment_id for b in self.buffer):
+            return None
         self.outcomes.record(scored.trajectory_id, scored.segment_id, scored.total,
                              failed=bool(scored.failure))
         max_versions = self.cfg.learner.max_versions
@@ -208,24 +245,28 @@ class LearnerCore:
         self.rollback_floor = self.version + 1
         return dropped
 
-    def drop_buffer(self, reason: str, addresses: dict[str, str] | None = None
-                    ) -> list[Dropped]:
+    def drop_buffer(self, reason: str, addresses: dict[str, str] | None = None,
+                    bad_input: bool = False) -> list[Dropped]:
         """Refuse buffered segments: all of them, or those at ``addresses`` (address ->
-        why, e.g. unreadable), each with ``reason`` followed by that why."""
+        why, e.g. unreadable), each with ``reason`` followed by that why. ``bad_input``:
+        the segments themselves failed (see :attr:`Dropped.bad_input`)."""
         if addresses is None:
             refused, self.buffer = self.buffer, []
-            return [self._drop(b.scored, reason) for b in refused]
+            return [self._drop(b.scored, reason, b.where if bad_input else None)
+                    for b in refused]
         refused = [b for b in self.buffer if b.scored.address in addresses]
         self.buffer = [b for b in self.buffer if b.scored.address not in addresses]
-        return [self._drop(b.scored, f"{reason}: {addresses[b.scored.address]}")
-                for b in refused]
+        return [self._drop(b.scored, f"{reason}: {addresses[b.scored.address]}",
+                           b.where if bad_input else None) for b in refused]
 
-    def _drop(self, scored: Scored, reason: str) -> Dropped:
+    def _drop(self, scored: Scored, reason: str,
+              bad_input_at: tuple[int, int] | None = None) -> Dropped:
         if reason == "stale":
             self.dropped += 1
         self.dropped_steps += scored.step_end - scored.step_start
         return Dropped(scored, reason, self.version - scored.min_policy_version,
-                       self.trained_steps + self.dropped_steps)
+                       self.trained_steps + self.dropped_steps, bad_input_at is not None,
+                       bad_input_at)
 
     # -- the update ----------------------------------------------------------------------
     def batch_ready(self) -> bool:
@@ -238,10 +279,22 @@ class LearnerCore:
     def buffered_addresses(self) -> list[str]:
         return [b.scored.address for b in self.buffer]
 
-    def attach_arrays(self, arrays: Sequence[dict[str, np.ndarray]]) -> None:
-        """The buffered segments' arrays, read in :meth:`buffered_addresses` order."""
+    def attach_arrays(self, arrays: Sequence[dict[str, np.ndarray]]) -> list[Dropped]:
+        """The buffered segments' arrays, read in :meth:`buffered_addresses` order. A segment
+        whose arrays do not match its ``scored`` event (another number of steps, a missing
+        array) is refused here, alone, instead of failing the whole update: returned."""
+        refused: list[Dropped] = []
+        kept: list[Buffered] = []
         for item, array in zip(self.buffer, arrays):
             item.arrays = array
+            why = _mismatch(item)
+            if why:
+                refused.append(self._drop(item.scored, f"arrays do not match: {why}",
+                                          item.where))
+            else:
+                kept.append(item)
+        self.buffer = kept
+        return refused
 
     def update(self, global_adv: list[float] | None = None) -> TrainResult | list[Dropped]:
         """One update on the buffered segments (arrays attached), elite ones mixed in.
@@ -264,6 +317,14 @@ class LearnerCore:
         except NonFiniteBatch as exc:  # refused before optimizer.step, visibly, per segment
             self.done_trajectories.clear()
             return [self._drop(b.scored, exc.reason) for b in fresh]
+        except Exception as exc:  # noqa: BLE001 - a batch that fails is refused, never kept
+            if is_retriable(exc):
+                self.buffer = fresh  # retried: the same batch again
+                raise
+            self.done_trajectories.clear()
+            self.buffer = []
+            return [self._drop(b.scored, f"update failed: {exc!r}"[:2000], b.where)
+                    for b in fresh]
         finally:
             self.set_learning_rate(self.learning_rate / spike)
         metrics = dict(result.metrics)

@@ -32,7 +32,10 @@ and ``guard:safety`` (1 when they vetoed), ``guard:vetoed`` (pay withheld) and
 ``guard:chargeback`` (``-chargeback`` times the vetoed no-progress pay, all vetoed pay for
 safety, charged at those steps: a veto alone would leave farming a free bet).
 ``step_rewards`` sum to ``total``. ``guard_reasons`` says why each guard fired;
-``guard_state`` carries the farming guard's memory of the trajectory.
+``guard_state`` carries the farming guard's memory of the trajectory. A verdict carries no
+text of the segment's actions beyond a bounded name per action and reasons cut to
+``MAX_REASON_CHARS``: its size grows with the segment's step count only (one reward per
+step, which the learner trains on), never with what the agent wrote.
 
 Failures: a component that raises, returns a non-finite value or the wrong length, or a
 process model that cannot be loaded, yields one ``reward-failed`` event per failed
@@ -166,9 +169,17 @@ class Arbitration:
             min_policy_version=seg.min_policy_version, trajectory_done=seg.trajectory_done,
             success=seg.success, components=components, step_rewards=rewards,
             total=float(sum(rewards)), decided_by=decided_by, paid_milestones=newly_paid,
-            guard_reasons=[f"{v.guard}: {v.reason}" for v in verdicts],
+            guard_reasons=[_brief(f"{v.guard}: {v.reason}") for v in verdicts],
             guard_state=farm_state.encode() if c.guards.enabled else {},
             failure=seg.failure), [])
+
+
+#: A guard reason is for people (a safety rule may quote a whole action): kept this short.
+MAX_REASON_CHARS = 512
+
+
+def _brief(reason: str) -> str:
+    return reason if len(reason) <= MAX_REASON_CHARS else reason[:MAX_REASON_CHARS - 3] + "..."
 
 
 def _decider(verdicts, seg: SegmentClosed, components: dict[str, float],

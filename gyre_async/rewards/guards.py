@@ -16,7 +16,9 @@ rewards the rule and process-model levels would pay on it):
                 milestone: it was paid for something other than proven progress;
               - an *action* is named by the first ``farm_action_words`` words of its text
                 (lower-cased; 0 = the whole text), so ``polish tools`` / ``polish floor``
-                count as one action, as the environment parses them;
+                count as one action, as the environment parses them; a name longer than
+                ``MAX_ACTION_NAME`` characters is kept as its start and a hash of the whole
+                (equal names stay equal; the state that rides on ``scored`` stays small);
               - **repeated cheap actions**: one action makes ``farm_repeat`` cheap steps;
               - **pay far above the task's milestone rate**: the cheap pay ``sum(r_t)``
                 exceeds ``farm_budget_ratio * milestone_reward``: between two proven
@@ -44,6 +46,7 @@ action containing one of the phrases is a violation.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -97,9 +100,17 @@ def _progress_steps(seg: SegmentClosed) -> set[int]:
     return {s - seg.step_start for s, m in zip(steps, seg.milestones) if m.proof}
 
 
+#: Longest action name the farming memory keeps as is (see ``action_name``).
+MAX_ACTION_NAME = 64
+
+
 def action_name(action: str, words: int) -> str:
     parts = action.lower().split()
-    return " ".join(parts[:words] if words > 0 else parts)
+    name = " ".join(parts[:words] if words > 0 else parts)
+    if len(name) <= MAX_ACTION_NAME:
+        return name
+    digest = hashlib.blake2b(name.encode(), digest_size=8).hexdigest()
+    return f"{name[:MAX_ACTION_NAME - 18]}~{digest}"
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,12 @@ lives here, once, for every role:
   the reason and the original bytes; retriable errors are retried with backoff (bus errors,
   e.g. a restarting broker, for up to ``bus_retry_s``), and if they persist the actor
   crashes loudly so its supervisor restarts it from the committed offset;
+- **an output too large for the bus is never a crash loop**: every output is encoded and
+  measured against the bus limit as soon as it is made; an input whose handling made one
+  goes to ``dead-letter`` instead (``output too large``, with the size and the limit), its
+  outputs are dropped and its offset committed; an oversized output of ``after_batch`` or
+  ``produce`` (no input of its own) is dead-lettered itself. A broker whose own limit is
+  lower than ours (``MessageTooLarge`` at publish) gets the same treatment, largest first;
 - **backpressure**: at most ``max_in_flight`` records are fetched per batch, and an actor can
   hold consumption with ``ready()`` (e.g. the learner while it trains);
 - **heartbeats** with lag and counters on ``telemetry``; graceful stop on SIGTERM. The lag
@@ -36,10 +42,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
+import msgspec
 import structlog
 
 from gyre_async import timing
-from gyre_async.bus import Bus, Consumer, Record
+from gyre_async.bus import Bus, Consumer, MessageTooLarge, Record
 from gyre_async.bus.base import TopicPartition
 from gyre_async.errors import is_retriable
 from schemas import DecodeError, Event, decode, encode, event_id
@@ -55,6 +62,31 @@ class Emit:
 
     topic: str
     event: Event
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """One output as the bus will carry it, with the input whose handling made it
+    (``None``: made by ``after_batch`` or ``produce``): what goes to ``dead-letter`` in its
+    place if the bus refuses it."""
+
+    topic: str
+    key: bytes | None
+    value: bytes
+    event: Event
+    source: Record | None
+
+
+def _tag(event: Event) -> str:
+    return str(type(event).__struct_config__.tag)
+
+
+def _clip(text: str, max_bytes: int) -> str:
+    """``text`` cut to at most ``max_bytes`` of UTF-8 (a dead letter must fit the bus)."""
+    data = text.encode()
+    if len(data) <= max_bytes:
+        return text
+    return data[: max(max_bytes - 3, 0)].decode(errors="ignore") + "..."
 
 
 class Actor:
@@ -197,9 +229,9 @@ class ActorRunner:
 
     async def emit(self, outputs: Sequence[Emit]) -> None:
         """Publish outputs now (durable on return); for ``produce`` loops. Retriable bus
-        errors are retried like the consume loop's (see ``_publish_with_retry``)."""
-        batches = self._batches(outputs)
-        await self._retry_bus(lambda: self.bus.publish_and_commit(batches))
+        errors are retried like the consume loop's (see ``_publish_with_retry``); an output
+        too large for the bus is dead-lettered in its place (see ``_encode``)."""
+        await self._publish_fitting(self._encode(outputs, None), None, {})
 
     async def unconsumed(self) -> int:
         """Records of the consumed topics this actor has not handled yet (end offset minus
@@ -324,17 +356,17 @@ class ActorRunner:
 
     async def _handle_batch(self, records: list[Record]) -> None:
         if not records:
-            late = list(await self.actor.after_batch())
+            late = self._encode(await self.actor.after_batch(), None)
             if late or self._held:
                 # commit what the actor no longer needs now that its state moved on
                 await self._publish_with_retry(late, self._apply_floor(dict(self._held)))
             return
-        outputs: list[Emit] = []
+        outputs: list[Encoded] = []
         next_offsets: dict[tuple[str, int], int] = {}
         for record in records:
             outputs.extend(await self._process(record))
             next_offsets[(record.topic, record.partition)] = record.offset + 1
-        outputs.extend(await self.actor.after_batch())
+        outputs.extend(self._encode(await self.actor.after_batch(), None))
         self._held.update(next_offsets)
         # every held partition, not only this batch's: the floor of one may lift while the
         # batch brought records of others only (e.g. a batched write went out)
@@ -357,13 +389,35 @@ class ActorRunner:
                 del self._held[tp]  # fully committable now
         return out
 
-    async def _publish_with_retry(self, outputs: list[Emit], offsets: dict) -> None:
+    async def _publish_with_retry(self, outputs: list[Encoded], offsets: dict) -> None:
         """Publish, then commit; retriable bus errors (a broker restarting, a rebalance) are
         retried with exponential backoff capped at ``bus_retry_cap_s`` for up to
         ``bus_retry_s`` seconds in all, then the actor crashes for its supervisor."""
-        batches = self._batches(outputs)
-        await self._retry_bus(lambda: self.bus.publish_and_commit(batches, self._consumer,
-                                                                  offsets))
+        await self._publish_fitting(outputs, self._consumer, offsets)
+
+    async def _publish_fitting(self, outputs: list[Encoded], consumer: Consumer | None,
+                               offsets: dict) -> None:
+        """Publish (and commit) with retries; a ``MessageTooLarge`` from the bus (a broker
+        whose own limit is below ours) refuses the largest output and tries again, so one
+        oversized output never blocks the commit of everything else. Each pass removes an
+        output, so it ends; a dead letter refused too means the broker's limit is below half
+        of ``bus.max_message_bytes``: a configuration error, raised."""
+        while True:
+            batches = self._batches(outputs)
+            try:
+                await self._retry_bus(
+                    lambda b=batches: self.bus.publish_and_commit(b, consumer, offsets))
+                return
+            except MessageTooLarge as exc:
+                outputs = self._refuse_largest(outputs, exc)
+
+    def _refuse_largest(self, outputs: list[Encoded], exc: MessageTooLarge) -> list[Encoded]:
+        largest = max(outputs, key=lambda o: len(o.value), default=None)
+        if largest is None or isinstance(largest.event, DeadLetter):
+            raise exc
+        reason = (f"output too large: {_tag(largest.event)} event of {len(largest.value)} "
+                  f"bytes for {largest.topic!r} refused by the bus ({exc})")
+        return self._refuse(outputs, largest, reason)
 
     async def _retry_bus(self, call) -> None:
         deadline = time.monotonic() + self.bus_retry_s
@@ -381,12 +435,12 @@ class ActorRunner:
                 attempt += 1
                 await asyncio.sleep(delay)
 
-    async def _process(self, record: Record) -> list[Emit]:
+    async def _process(self, record: Record) -> list[Encoded]:
         try:
             with timing.timed("codec"):
                 event = decode(record.topic, record.value, self.bus.max_message_bytes)
         except DecodeError as exc:
-            return [self._dead_letter(record, exc.reason)]
+            return self._encode([self.dead_letter(record, exc.reason)], None)
         if event.run_id != self.run_id:  # another run's, on a cluster runs share
             self.foreign += 1
             return []
@@ -400,22 +454,30 @@ class ActorRunner:
             except Exception as exc:  # noqa: BLE001 - routed by `retriable`
                 if not is_retriable(exc):
                     self.log.warning("handler.failed", event_id=event.event_id, error=repr(exc))
-                    return [self._dead_letter(record, f"handler error: {exc!r}")]
+                    return self._encode([self.dead_letter(record, f"handler error: {exc!r}")],
+                                        None)
                 if attempt == self.max_retries:
                     raise
                 await asyncio.sleep(self.retry_base_s * 2**attempt)
+        encoded = self._encode(outputs, record)
+        if any(out.source is None for out in encoded):  # an output too large: refused
+            return encoded
         self._remember(event.event_id, (record.topic, record.partition))
         self.processed += 1
-        return outputs
+        return encoded
 
     def _remember(self, eid: str, where: TopicPartition) -> None:
         self._seen[eid] = where
         if len(self._seen) > self._seen_cap:
             self._seen.popitem(last=False)
 
-    def _dead_letter(self, record: Record, reason: str) -> Emit:
+    def dead_letter(self, record: Record, reason: str) -> Emit:
+        """``record`` to ``dead-letter`` with ``reason`` (and the start of its bytes). Actors
+        use it too, for an input they held and whose later processing failed (the learner's
+        buffer): refused once, visibly, never kept to fail every later batch."""
         self.dead_letters += 1
         self.log.warning("dead_letter", topic=record.topic, offset=record.offset, reason=reason)
+        limit = self.bus.max_message_bytes
         return Emit(
             DEAD_LETTER,
             DeadLetter(
@@ -428,17 +490,47 @@ class ActorRunner:
                 source_topic=record.topic,
                 source_partition=record.partition,
                 source_offset=record.offset,
-                reason=reason,
-                original=record.value[: self.bus.max_message_bytes // 2],
+                reason=_clip(reason, max(limit // 8, 128)),
+                original=record.value[: limit // 2],
             ),
         )
 
-    def _batches(self, outputs: Sequence[Emit]) -> list[tuple[str, list]]:
-        by_topic: dict[str, list] = {}
+    def _encode(self, outputs: Sequence[Emit], source: Record | None) -> list[Encoded]:
+        """Encode ``outputs`` (made by handling ``source``, or by no input) and refuse any
+        the bus would refuse: encoded once, measured here, where it is still known which
+        input made them."""
+        limit = self.bus.max_message_bytes
         with timing.timed("codec"):
-            for out in outputs:
-                key = out.event.key.encode() if out.event.key else None
-                by_topic.setdefault(out.topic, []).append((key, encode(out.event)))
+            encoded = [Encoded(out.topic, out.event.key.encode() if out.event.key else None,
+                               encode(out.event), out.event, source) for out in outputs]
+        for out in [o for o in encoded if len(o.value) > limit]:
+            reason = (f"output too large: {_tag(out.event)} event of {len(out.value)} bytes "
+                      f"for {out.topic!r} > bus limit {limit} bytes")
+            encoded = self._refuse(encoded, out, reason)
+            if source is not None:
+                break  # the input is dead-lettered: none of its outputs goes out
+        return encoded
+
+    def _refuse(self, outputs: list[Encoded], refused: Encoded, reason: str) -> list[Encoded]:
+        """``outputs`` without ``refused``, and a dead letter in its place: of the input that
+        made it (its other outputs go with it: the input was not handled), or, made by no
+        input, of the output itself."""
+        self.log.warning("output.too_large", topic=refused.topic, bytes=len(refused.value),
+                         limit=self.bus.max_message_bytes)
+        if refused.source is not None:
+            kept = [o for o in outputs if o.source is not refused.source]
+            return kept + self._encode([self.dead_letter(refused.source, reason)], None)
+        kept = [o for o in outputs if o is not refused]
+        as_record = Record(refused.topic, -1, -1, refused.key, refused.value, time.time())
+        letter = self.dead_letter(as_record, reason)
+        letter = Emit(DEAD_LETTER, msgspec.structs.replace(
+            letter.event, event_id=event_id("dead-letter-output", refused.event.event_id)))
+        return kept + self._encode([letter], None)
+
+    def _batches(self, outputs: Sequence[Encoded]) -> list[tuple[str, list]]:
+        by_topic: dict[str, list] = {}
+        for out in outputs:
+            by_topic.setdefault(out.topic, []).append((out.key, out.value))
         return list(by_topic.items())
 
     async def _heartbeat_loop(self) -> None:

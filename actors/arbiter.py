@@ -24,6 +24,8 @@ Bad input is refused, never kept: a segment longer than the run's
 ``segmenter.max_segment_steps`` (or than any segment may be, at decode), or whose verdict
 would not fit on the bus (:class:`~gyre_async.errors.OutputTooLarge`, raised before the
 state changes), goes to ``dead-letter`` with the reason, and the arbiter scores on.
+So does a segment whose address is not in the run's segment stores
+(:mod:`gyre_async.storage.roots`): it is never passed on to the learner.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from __future__ import annotations
 from gyre_async.bus.reading import ReadCounts, read_events
 from gyre_async.core.arbiter import ArbiterCore
 from gyre_async.runtime.actor import Actor, Emit
+from gyre_async.storage.roots import StorageRoots
 from schemas.config import ArbiterConfig, Config
 from schemas.events import DriftReport, SegmentClosed
 from schemas.topics import SCORED, SEGMENT_CLOSED, TELEMETRY
@@ -47,10 +50,14 @@ class Arbiter(Actor):
         self.rebuild = ReadCounts()  # what the restart read back (undecodable records skipped)
         #: the run's segmenter never closes a longer segment: a longer one is refused
         self.max_segment_steps = max_segment_steps
+        #: the run's segment stores: an address elsewhere is refused (from_config sets it)
+        self.roots: StorageRoots | None = None
 
     @classmethod
     def from_config(cls, cfg: Config) -> Arbiter:
-        return cls(cfg.arbiter, cfg.segmenter.max_segment_steps)
+        arbiter = cls(cfg.arbiter, cfg.segmenter.max_segment_steps)
+        arbiter.roots = StorageRoots.from_config(cfg)
+        return arbiter
 
     async def on_start(self) -> None:
         self.core.producer = self.runner.name  # our outputs, and our drift reports, carry it
@@ -71,6 +78,8 @@ class Arbiter(Actor):
     async def handle(self, event, record):
         match event:
             case SegmentClosed():
+                if self.roots is not None:
+                    self.roots.segment(event.address)  # UntrustedAddress: dead-lettered
                 steps = event.step_end - event.step_start
                 if self.max_segment_steps is not None and steps > self.max_segment_steps:
                     raise ValueError(f"segment of {steps} steps, longer than this run's "

@@ -31,6 +31,12 @@ abandoned lineage). Restart: the core (:mod:`gyre_async.core.keeper`) folds ever
 the ``keeper``, ``policy-version`` and ``eval`` topics with the same ``apply`` it uses live,
 so slots, order count, pending order and best validation come back as they were.
 
+**Trust** (:mod:`gyre_async.storage.roots`): a ``policy-version`` is taken only from this
+run's learner with its checkpoint in ``learner.checkpoints`` (live, another is
+dead-lettered; on restart, skipped), and the keeper topic's events only from this run's
+keeper with their files in its own store; a replaced copy is removed only if its header says
+this run's keeper wrote it (:class:`~gyre_async.core.keeper_slots.KeptSlots`).
+
 **The run's best version.** Whenever the ``best`` slot changes, the keeper rewrites
 ``<run_dir>/best.json`` (:mod:`gyre_async.core.keeper_best`) to point at the new copy,
 before the copy it replaces is removed; a restart writes it from the rebuilt slot if the
@@ -49,8 +55,9 @@ from gyre_async.core.keeper_best import read_best, write_best
 from gyre_async.core.keeper_slots import KeptSlots
 from gyre_async.core.probes import probe_contexts
 from gyre_async.runtime.actor import Actor, Emit
+from gyre_async.storage.roots import StorageRoots
 from schemas.config import Config
-from schemas.events import EvalResult, PolicyVersion
+from schemas.events import EvalResult, KeptCheckpoint, PolicyVersion, Rollback
 from schemas.topics import EVAL, KEEPER, POLICY_VERSION
 
 
@@ -63,7 +70,8 @@ class Keeper(Actor):
         self.cfg = cfg
         self.tokenizer = build_tokenizer(cfg)
         self.policy = build_policy(cfg, self.tokenizer)
-        self.slots = KeptSlots(cfg.keeper.store or f"{cfg.run.run_dir}/keeper")
+        self.roots = StorageRoots.from_config(cfg)
+        self.slots = KeptSlots(self.roots.keeper)
         self.core: KeeperCore | None = None
         self.rebuild = ReadCounts()  # what the restart read back (undecodable records skipped)
 
@@ -82,6 +90,10 @@ class Keeper(Actor):
         topics = [t for t in (KEEPER, POLICY_VERSION, EVAL) if t in known]
         async for _record, event in read_events(self.runner.bus, topics, on_bad="skip",
                                                 counts=self.rebuild, run_id=self.runner.run_id):
+            if isinstance(event, PolicyVersion | KeptCheckpoint | Rollback) and \
+                    not self.roots.trusts(event):
+                self.core.untrusted += 1  # its live consumers dead-letter it
+                continue
             self.core.apply(event)
         if (best := self.core.best_pointer()) is not None and \
                 read_best(run_dir, self.cfg.run.run_id) is None:
@@ -91,6 +103,8 @@ class Keeper(Actor):
         assert self.core is not None
         match event:
             case PolicyVersion() | EvalResult():
+                if isinstance(event, PolicyVersion):
+                    self.roots.checkpoint_of(event)  # untrusted: raised, dead-lettered
                 out = await asyncio.to_thread(self.core.handle, event)
             case _:
                 out = []

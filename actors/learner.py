@@ -6,6 +6,9 @@ emits:    policy-version (PolicyVersion), telemetry (SegmentDropped, CriticReset
 A thin adapter over :class:`gyre_async.core.learner.LearnerCore`, which decides what to
 train on, runs the update and follows rollbacks: this module moves events and bytes
 (segment arrays in, checkpoints out) and keeps the slow parts off the event loop.
+Trust: a ``scored`` event whose address is not in the run's segment stores, and a
+``rollback`` not announced by this run's keeper with its file in the keeper's store, are
+refused before any I/O (:mod:`gyre_async.storage.roots`) and dead-lettered, never buffered.
 A buffered segment whose later processing fails on its own (unreadable, arrays that do not
 match its event, an update that raises) is refused once, visibly (``segment-dropped`` and a
 dead letter with the reason), and leaves the buffer: never kept to fail every later batch.
@@ -38,6 +41,7 @@ from gyre_async.experience.elite import open_elite_pool
 from gyre_async.runtime.actor import Actor, Emit
 from gyre_async.storage.checkpoints import CheckpointStore
 from gyre_async.storage.readable import unreadable_segments
+from gyre_async.storage.roots import StorageRoots
 from gyre_async.storage.store_set import SegmentStores
 from schemas import encode
 from schemas.config import Config
@@ -64,8 +68,8 @@ class Learner(Actor):
         self.policy = build_policy(cfg, build_tokenizer(cfg))
         self.core = LearnerCore(cfg, self.policy, open_elite_pool(cfg),
                                 self.group.attach(self.policy))
-        self.checkpoints = CheckpointStore(cfg.learner.checkpoints
-                                           or f"{cfg.run.run_dir}/checkpoints")
+        self.roots = StorageRoots.from_config(cfg)  # what an event may name (and nothing else)
+        self.checkpoints = CheckpointStore(self.roots.checkpoints)
         self.train_seconds = 0.0
         self.ending = False  # the run is ending (gyre run's drain): no further update
 
@@ -77,15 +81,15 @@ class Learner(Actor):
     def segments(self) -> SegmentStores:
         """Each segmenter's store, opened when an address first names it (one segmenter
         per store: gyre_async.storage.store_set)."""
-        return SegmentStores()
+        return SegmentStores(self.roots)
 
     async def on_start(self) -> None:
         bus = self.runner.bus
-        latest = await current_policy_version(bus, self.cfg.run.run_id)
+        latest = await current_policy_version(bus, self.cfg.run.run_id, self.roots.trusts)
         if latest is None:
             await self.runner.emit([await self._publish("init", {})])
         else:
-            await asyncio.to_thread(load_weights, self.policy, latest.checkpoint,
+            await asyncio.to_thread(load_weights, self.policy, self.roots.checkpoint_of(latest),
                                     latest.checkpoint_hash)
             run_id = self.cfg.run.run_id
             book = await restore_outcome_book(bus, self.cfg.sampler.group_size, run_id,
@@ -99,12 +103,13 @@ class Learner(Actor):
     async def handle(self, event, record):
         match event:
             case Scored() if not self.core.already_trained(event):
+                self.roots.segment(event.address)  # UntrustedAddress: dead-lettered, not kept
                 dropped = self.core.add(event, (record.partition, record.offset))
                 return [self._dropped(dropped)] if dropped else await self._train_if_ready()
             case RewardFailed():  # withheld, never trained, but it may end its trajectory
                 return await self._train_if_ready() if self.core.withheld(event) else []
             case Rollback() if self.core.follows(event):
-                await asyncio.to_thread(load_weights, self.policy, event.checkpoint,
+                await asyncio.to_thread(load_weights, self.policy, self.roots.checkpoint_of(event),
                                         event.checkpoint_hash)
                 await asyncio.to_thread(self.group.rolled_back, self.core, event)
                 dropped_all = self.core.rollback(event)

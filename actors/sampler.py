@@ -28,6 +28,7 @@ from gyre_async.bus.reading import read_events
 from gyre_async.core.resumption import UnfinishedTrajectories
 from gyre_async.core.sampler import SamplerCore
 from gyre_async.runtime.actor import Actor, Emit
+from gyre_async.storage.errors import CheckpointError
 from schemas import Event
 from schemas.config import Config
 from schemas.events import PolicyVersion, SegmentDropped
@@ -56,9 +57,14 @@ class Sampler(Actor):
 
     async def on_start(self) -> None:
         await self._take_over_unfinished()
-        latest = await current_policy_version(self.runner.bus, self.cfg.run.run_id)
+        latest = await current_policy_version(self.runner.bus, self.cfg.run.run_id,
+                                              self.core.roots.trusts)
         if latest is not None:
-            await self.core.follow(latest)
+            try:
+                await self.core.follow(latest)
+            except CheckpointError as exc:  # corrupt or non-finite: wait for the next version
+                self.runner.log.error("sampler.latest_unloadable", version=latest.version,
+                                      error=str(exc))
 
     async def on_stop(self) -> None:
         self.holder.close()

@@ -33,7 +33,7 @@ async def _scenario(cfg, url: str) -> tuple[int, int]:
             ref = save_weights(store, policy, version, {"run_id": cfg.run.run_id})
             pv = PolicyVersion(
                 event_id=event_id("policy-version", cfg.run.run_id, version), run_id=cfg.run.run_id,
-                producer="test", key="policy", version=version, checkpoint=ref.address,
+                producer="learner", key="policy", version=version, checkpoint=ref.address,
                 checkpoint_hash=ref.sha256, parent=version - 1 if version else None,
                 reason="update" if version else "init", learning_rate=1e-3, env_steps=0)
             await bus.publish(POLICY_VERSION, [(pv.key.encode(), encode(pv))])

@@ -135,7 +135,8 @@ def _checkpoint(cfg, tmp_path: Path, version: int, seed: int):
     with torch.no_grad():
         for p in policy.parameters():
             p.add_(0.02 * torch.randn(p.shape, generator=g))
-    return save_weights(CheckpointStore(str(tmp_path / "ckpt")), policy, version), policy
+    # in the run's checkpoint root: the only place the sampler reads checkpoints from
+    return save_weights(CheckpointStore(f"{cfg.run.run_dir}/checkpoints"), policy, version), policy
 
 
 @pytest.fixture
@@ -194,7 +195,7 @@ async def _publish(bus, topic, *events):
 
 
 def _pv(ref, version) -> PolicyVersion:
-    return PolicyVersion(event_id=event_id("pv", version), run_id="tiny", producer="test",
+    return PolicyVersion(event_id=event_id("pv", version), run_id="tiny", producer="learner",
                          key="policy", version=version, checkpoint=ref.address,
                          checkpoint_hash=ref.sha256, parent=version - 1 if version else None,
                          reason="update" if version else "init")

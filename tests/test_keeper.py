@@ -113,7 +113,7 @@ def _versions(cfg, directory: Path, steps: list[float]):
 
 
 def _pv(ref, parent) -> PolicyVersion:
-    return PolicyVersion(event_id=event_id("pv", ref.version), run_id="tiny", producer="test",
+    return PolicyVersion(event_id=event_id("pv", ref.version), run_id="tiny", producer="learner",
                          key="policy", version=ref.version, checkpoint=ref.address,
                          checkpoint_hash=ref.sha256, parent=parent,
                          reason="init" if parent is None else "update", learning_rate=1e-3)
@@ -258,7 +258,10 @@ def test_the_restart_fold_does_not_depend_on_the_order_between_topics(tmp_path, 
 
     cfg = tiny.config()
     ids = {"run_id": "tiny", "producer": "keeper", "key": "keeper"}
-    kept = [KeptCheckpoint(event_id=f"k{v}", slot="best", version=v, address=f"a{v}",
+    def a(v: int) -> str:  # a copy's address in the keeper's own store (checked on fold)
+        return f"{KeptSlots(str(tmp_path / 'kept')).store.url}/v{v:012d}-{'0' * 64}.safetensors"
+
+    kept = [KeptCheckpoint(event_id=f"k{v}", slot="best", version=v, address=a(v),
                            sha256="h", **ids) for v in (1, 3)]
     order = Rollback(event_id="r1", sequence=1, regressed_version=4, restore_version=3,
                      slot="best", checkpoint="a3", checkpoint_hash="h", learning_rate=1e-4,

@@ -26,6 +26,8 @@ from gyre_async.bus.base import partition_for
 from gyre_async.bus.reading import read_events
 from gyre_async.runtime.actor import ActorRunner
 from gyre_async.runtime.topology import build_actor
+from gyre_async.storage.errors import UntrustedAddress
+from gyre_async.storage.roots import StorageRoots
 from gyre_async.storage.segments import SegmentStore
 from gyre_async.storage.store_set import SegmentStores, segment_store_url, store_url_of
 from schemas import encode, event_id
@@ -44,13 +46,15 @@ def test_each_segmenter_replica_has_a_store_and_readers_find_every_store(tmp_pat
         for i in range(2):
             sid = f"{name}-seg-{i}"
             refs.append(store.write(sid, {"x": np.full(3, len(refs), np.int32)}))
-    stores = SegmentStores()
+    stores = SegmentStores(StorageRoots("run", SegmentStore(base, read_only=True).url, "", ""))
     order = [refs[3], refs[0], refs[2], refs[1]]  # interleaved across the two stores
     arrays = stores.read_many([r.address for r in order])
     assert [int(a["x"][0]) for a in arrays] == [3, 0, 2, 1]
     assert len({store_url_of(r.address) for r in refs}) == 2
     with pytest.raises(ValueError):
         store_url_of("no-address-here")
+    with pytest.raises(UntrustedAddress):  # a store beside the run's, not a replica's
+        stores.read(f"file://{tmp_path}/other.zarr#segmenter-seg-0")
 
 
 async def _run(url: str, cfg, timeout_s: float):

@@ -135,7 +135,7 @@ def test_the_sampler_actor_follows_drops_on_the_bus(tmp_path, tiny):
     cfg = tiny.config(run={"run_dir": str(tmp_path)})
     ref = save_weights(CheckpointStore(str(tmp_path / "checkpoints")),
                        build_policy(cfg, build_tokenizer(cfg)), 0)
-    v0 = PolicyVersion(event_id=event_id("pv", 0), run_id="tiny", producer="test",
+    v0 = PolicyVersion(event_id=event_id("pv", 0), run_id="tiny", producer="learner",
                        key="policy", version=0, checkpoint=ref.address,
                        checkpoint_hash=ref.sha256, reason="init")
 

@@ -249,13 +249,15 @@ def _check_training(rep, run, versions, segments, scored, dropped, max_staleness
 
 def _check_segment_store(rep, segments, url: str) -> None:
     """Every store the announcements name (one per segmenter) and ``url``, the run's own."""
+    from gyre_async.storage.roots import StorageRoots
     from gyre_async.storage.store_set import store_url_of
     from gyre_async.storage.urls import normalize_store_url
 
+    roots = StorageRoots("", normalize_store_url(url)[0], "", "")  # the run's segment stores
     by_store: dict[str, list[SegmentClosed]] = defaultdict(list)
     for seg in segments:
-        try:
-            by_store[store_url_of(seg.address)].append(seg)
+        try:  # an address outside the run's stores is reported, never opened
+            by_store[store_url_of(roots.segment(seg.address))].append(seg)
         except ValueError as exc:
             rep.corrupt.append(f"announced segment {seg.segment_id}: {exc}")
     by_store.setdefault(normalize_store_url(url)[0], [])
@@ -297,6 +299,7 @@ def _check_one_store(rep, segments, url: str) -> None:
 
 def _check_checkpoints(rep, versions, root: Path) -> None:
     from gyre_async.storage.checkpoints import CheckpointError, CheckpointStore
+    from gyre_async.storage.errors import UntrustedAddress
 
     store = CheckpointStore(str(root))
     seen_files: set[str] = set()
@@ -305,8 +308,8 @@ def _check_checkpoints(rep, versions, root: Path) -> None:
             continue
         seen_files.add(v.checkpoint)
         try:
-            store.load(v.checkpoint, v.checkpoint_hash)
-        except CheckpointError as exc:
+            store.load(v.checkpoint, v.checkpoint_hash)  # refuses a file outside the root
+        except (CheckpointError, UntrustedAddress) as exc:
             rep.corrupt.append(f"checkpoint of version {v.version}: {exc}")
     leftovers = unannounced = 0
     announced = {v.checkpoint.rsplit("/", 1)[-1] for v in versions}

@@ -179,6 +179,7 @@ async def replay_learner(recorded: Bus, cfg: Config) -> ReplayReport:
     from gyre_async.compose import build_policy, load_weights
     from gyre_async.core.learner_batch import BatchItem, prepare_batch
     from gyre_async.rl.fusion import OutcomeBook
+    from gyre_async.storage.roots import StorageRoots
     from gyre_async.storage.segments import SegmentNotFound
     from gyre_async.storage.store_set import SegmentStores
     from schemas.events import PolicyVersion
@@ -193,7 +194,8 @@ async def replay_learner(recorded: Bus, cfg: Config) -> ReplayReport:
     updates = [u for u in all_updates if u.advantage_digest]
     report.inputs = len(scored)
     report.recorded_outputs = len(updates)
-    store = SegmentStores()  # every segmenter's store, as the addresses name them
+    roots = StorageRoots.from_config(cfg)
+    store = SegmentStores(roots)  # every segmenter's store of the run, as addresses name them
     policy = build_policy(cfg)
     settings = cfg.learner
     book = OutcomeBook(cfg.sampler.group_size, cfg.learner.mask_failed)
@@ -205,7 +207,8 @@ async def replay_learner(recorded: Bus, cfg: Config) -> ReplayReport:
         if parent is None or missing:
             report.missing.append(update.event_id)
             continue
-        await asyncio.to_thread(load_weights, policy, parent.checkpoint, parent.checkpoint_hash)
+        await asyncio.to_thread(load_weights, policy, roots.checkpoint_of(parent),
+                                parent.checkpoint_hash)
         segments = [scored[sid] for sid in update.trained_segments]
         try:
             arrays = await asyncio.to_thread(store.read_many, [s.address for s in segments])

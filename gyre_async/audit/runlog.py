@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 
 from gyre_async.audit.run_fold import RunFold
 from gyre_async.bus import Bus
@@ -34,13 +35,17 @@ async def load_runlog(bus: Bus, *, with_steps: bool = True,
     return fold
 
 
-async def current_policy_version(bus: Bus, run_id: str) -> PolicyVersion | None:
+async def current_policy_version(
+    bus: Bus, run_id: str, trusted: Callable[[PolicyVersion], bool] | None = None
+) -> PolicyVersion | None:
     """The policy in force in ``run_id``: the last ``policy-version`` it published (a rollback
     may lower it). Other runs on the same cluster share the topic, so the run id filters.
 
     The topic is keyed by one key, so it lives on one partition and log order is
     publication order. Actors call this on start (a rebuild): undecodable records are
-    skipped, as their live consumers dead-letter them.
+    skipped, as their live consumers dead-letter them, and so are events ``trusted`` refuses
+    (:meth:`gyre_async.storage.roots.StorageRoots.trusts`: another producer, a checkpoint
+    outside the run's roots).
     """
     latest = None
     known = {t.name for t in await bus.topics()}
@@ -48,6 +53,7 @@ async def current_policy_version(bus: Bus, run_id: str) -> PolicyVersion | None:
         return None
     async for _record, event in read_events(bus, [POLICY_VERSION], on_bad="skip"):
         if isinstance(event, PolicyVersion) and event.run_id == run_id and \
+                (trusted is None or trusted(event)) and \
                 (latest is None or (event.ts, event.version) >= (latest.ts, latest.version)):
             latest = event
     return latest

@@ -31,8 +31,9 @@ from gyre_async.core.keeper_best import BestVersion, kept_best
 from gyre_async.core.keeper_rules import is_better, judge
 from gyre_async.core.keeper_slots import Fault, Kept, KeptSlots
 from gyre_async.rl.policy_distance import policy_kl, relative_param_change
-from gyre_async.storage.checkpoints import CheckpointStore
-from gyre_async.storage.errors import CheckpointError
+from gyre_async.storage.checkpoints import load_checkpoint
+from gyre_async.storage.errors import CheckpointError, UntrustedAddress
+from gyre_async.storage.roots import is_role
 from schemas import Event, event_id
 from schemas.config import Config
 from schemas.events import (
@@ -64,8 +65,7 @@ IDENTITY_FIELDS = ("format", "model_config", "tokenizer")
 
 
 def _load(address: str, sha256: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    directory = address.rsplit("/", 1)[0]
-    tensors, metadata = CheckpointStore(directory).load(address, sha256)
+    tensors, metadata = load_checkpoint(address, sha256)  # opens no store: creates nothing
     return tensors, {k: metadata[k] for k in IDENTITY_FIELDS if k in metadata}
 
 
@@ -88,6 +88,7 @@ class KeeperCore:
         self.pending: Rollback | None = None
         self.floor = 0  # evaluations of older versions belong to an abandoned lineage
         self.faults = 0
+        self.untrusted = 0  # folded events refused: another producer, an address elsewhere
         # -- live only: decisions in progress, caches, measures for the heartbeat ----------
         self.waiting_evals: dict[int, EvalResult] = {}
         self._weights: OrderedDict[int, tuple[dict[str, torch.Tensor], dict[str, str]]] = \
@@ -96,6 +97,7 @@ class KeeperCore:
 
     def stats(self) -> dict[str, float]:
         return {"rollbacks": float(self.sequence), "faults": float(self.faults),
+                "untrusted": float(self.untrusted),
                 "best_version": float(self.best.policy_version if self.best else -1),
                 **{f"update_{k}": v for k, v in self.last_measures.items()}}
 
@@ -103,6 +105,8 @@ class KeeperCore:
     def apply(self, event: Event) -> None:
         """Fold one input or output event into the state (a restart and live work alike)."""
         match event:
+            case KeptCheckpoint() | Rollback() | CheckpointFault() if not self._ours(event):
+                return
             case PolicyVersion():
                 self.versions[event.version] = VersionInfo(
                     event.version, event.checkpoint, event.checkpoint_hash, event.parent,
@@ -120,8 +124,12 @@ class KeeperCore:
                         (self.best is None or self.best.policy_version != best.version):
                     self.best = event  # the slot was read back before its evaluation
             case KeptCheckpoint():
-                self.slots.remember(Kept(event.slot, event.version, event.address,
-                                         event.sha256))
+                try:
+                    self.slots.remember(Kept(event.slot, event.version, event.address,
+                                             event.sha256))
+                except UntrustedAddress as exc:
+                    self._untrusted(event, str(exc))
+                    return
                 if event.slot == "best":
                     self.best = self.evaluations.get(event.version)
             case Rollback():
@@ -131,6 +139,18 @@ class KeeperCore:
                     self.pending = event
             case CheckpointFault():
                 self.faults += 1
+
+    def _ours(self, event: KeptCheckpoint | Rollback | CheckpointFault) -> bool:
+        """An event of the keeper topic is folded only if this run's keeper wrote it."""
+        if event.run_id == self.cfg.run.run_id and is_role(event.producer, "keeper"):
+            return True
+        self._untrusted(event, f"untrusted producer: {event.producer!r} of run "
+                               f"{event.run_id!r} (only this run's keeper writes its topic)")
+        return False
+
+    def _untrusted(self, event: Event, why: str) -> None:
+        self.untrusted += 1
+        log.warning("keeper.untrusted_event", event_id=event.event_id, why=why)
 
     def handle(self, event: Event) -> list[Event]:
         """Live: apply the input, decide, and apply every output before returning it."""

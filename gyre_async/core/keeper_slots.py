@@ -12,6 +12,11 @@ version and the file's sha256, and the header's metadata says which slot, which 
 version and checkpoint, and why it was kept. Copies, not references, so that checkpoint
 retention elsewhere can never take away the weights a rollback needs.
 
+Only the keeper's own files are trusted: a slot remembered from a ``kept-checkpoint`` event
+must name a file directly in this store, and a replaced copy is removed only if its header
+says it is a slot copy of this run (:meth:`KeptSlots.wrote`): a crafted event can make the
+keeper neither load nor delete anything else.
+
 Loading verifies the sha256 first. :meth:`KeptSlots.restore` walks the slots in order of
 preference (best, then stable, then pre-large) and returns the first that loads; every
 slot that fails becomes a :class:`Fault` the caller publishes (``checkpoint-fault``), so a
@@ -23,10 +28,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import structlog
 import torch
 
 from gyre_async.storage.checkpoints import CheckpointRef, CheckpointStore
-from gyre_async.storage.errors import CheckpointError
+from gyre_async.storage.errors import CheckpointError, UntrustedAddress
+from gyre_async.storage.roots import checkpoint_in
+
+log = structlog.get_logger(__name__)
 
 #: Order of preference when restoring.
 RESTORE_ORDER = ("best", "stable", "pre-large")
@@ -81,12 +90,31 @@ class KeptSlots:
         if on_saved is not None:
             on_saved(kept)
         if old is not None and old.address != kept.address and \
-                all(k.address != old.address for k in self.slots.values()):
+                all(k.address != old.address for k in self.slots.values()) and \
+                self.wrote(old, metadata.get("run_id")):
             self.store.delete(old.address)
         return kept
 
+    def wrote(self, kept: Kept, run_id: str | None) -> bool:
+        """The file of ``kept`` is one this keeper wrote: in its own store (checked again
+        here, whatever remembered it), with a slot copy's header of this run. Only those
+        are ever removed; anything else stays where it is."""
+        try:
+            meta = self.store.metadata(kept.address)
+        except (CheckpointError, UntrustedAddress) as exc:
+            log.warning("keeper.not_removed", address=kept.address, why=str(exc))
+            return False
+        ours = "keeper.slot" in meta and meta.get("run_id") == run_id
+        if not ours:
+            log.warning("keeper.not_removed", address=kept.address,
+                        why="not a slot copy this run's keeper wrote")
+        return ours
+
     def remember(self, kept: Kept) -> None:
-        """Rebuild a slot from a recorded ``kept-checkpoint`` event (restart)."""
+        """Rebuild a slot from a recorded ``kept-checkpoint`` event (restart). The address
+        must name a file directly in this keeper's store (UntrustedAddress otherwise): a
+        slot is later loaded, and removed when replaced."""
+        checkpoint_in(self.store.url, kept.address)
         self.slots[kept.slot] = kept
 
     def load(self, kept: Kept) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

@@ -46,6 +46,7 @@ import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 from gyre_async.compose import build_acting_policy, build_tokenizer
 from gyre_async.core.exploration import (
@@ -76,6 +77,7 @@ from gyre_async.envs.macros import step_fields, with_macros
 from gyre_async.errors import ConfigError
 from gyre_async.policy.context import ContextBuilder
 from gyre_async.rl.staleness import StalenessGate
+from gyre_async.storage.roots import StorageRoots
 from schemas import Event, event_id
 from schemas.config import Config
 from schemas.events import EnvError, Milestone, PolicyVersion, SegmentDropped, TrajectoryStep
@@ -90,11 +92,6 @@ Play = Callable[[Callable[[StepRecord], Awaitable[None]], Callable[[], Awaitable
 SEED_SPAN = 10**7
 
 
-class _Stopped(Exception):
-    """The sampler is stopping and a slot was waiting at the gate: it leaves at once (its
-    episode stays open, as a cancelled one does, for a restarted sampler to resume)."""
-
-
 @dataclass(frozen=True)
 class _Run:
     """What every slot of one :meth:`SamplerCore.run` shares."""
@@ -106,8 +103,6 @@ class _Run:
 
 
 class SamplerCore:
-    _stopping: asyncio.Event | None = None  # the running ``run``'s: it opens the gate
-
     def __init__(self, cfg: Config, holder: PolicyHolder, builder: ContextBuilder):
         self.cfg = cfg
         self.holder = holder
@@ -146,12 +141,20 @@ class SamplerCore:
         return cls(cfg, make_holder(cfg, build_acting_policy(cfg, tokenizer)),
                    ContextBuilder(tokenizer, cfg.policy.context_tokens, cfg.policy.history_turns))
 
+    @cached_property
+    def roots(self) -> StorageRoots:
+        """Where a ``policy-version`` may point: the run's checkpoint root (config)."""
+        return StorageRoots.from_config(self.cfg)
+
     # -- following the learner -------------------------------------------------------------
     async def follow(self, event: PolicyVersion) -> None:
-        """Load a newer version (or a rollback's) and move the gate to the learner's place."""
+        """Load a newer version (or a rollback's) and move the gate to the learner's place.
+        One the run's learner did not announce, or whose checkpoint lies outside the run's
+        checkpoint root, raises (the actor dead-letters it) and moves nothing."""
+        address = self.roots.checkpoint_of(event)
         if event.version <= self.holder.version and event.reason != "rollback":
             return
-        await asyncio.to_thread(self.holder.load, event.checkpoint, event.checkpoint_hash,
+        await asyncio.to_thread(self.holder.load, address, event.checkpoint_hash,
                                 event.version)
         async with self._version_seen:
             self.learner_version = max(self.learner_version, event.version) \
@@ -191,35 +194,21 @@ class SamplerCore:
 
     async def _admit(self, opens_segment: bool = True) -> None:
         """Wait until the staleness gate admits one more step (``opens_segment``: the
-        first of a segment, paced so that the segment reaches the learner within the bound),
-        or raise :class:`_Stopped` when the sampler stops first: a stop never waits on the
-        learner, nor on a cancellation to reach the slot."""
+        first of a segment, paced so that the segment reaches the learner within the bound)."""
         loop = asyncio.get_running_loop()
         started = loop.time()
         async with self._version_seen:
             if not self._admissible(opens_segment):
                 self.at_gate += 1
                 try:
-                    await self._version_seen.wait_for(
-                        lambda: self._admissible(opens_segment) or self._stopped())
+                    await self._version_seen.wait_for(lambda: self._admissible(opens_segment))
                 finally:
                     self.at_gate -= 1
-                if not self._admissible(opens_segment):
-                    raise _Stopped
         self.steps_emitted += 1
         self.paused_s += loop.time() - started
 
     async def _count(self) -> None:
         self.steps_emitted += 1
-
-    def _stopped(self) -> bool:
-        return self._stopping is not None and self._stopping.is_set()
-
-    async def _open_gate_on(self, stopping: asyncio.Event) -> None:
-        """Wake every slot waiting at the gate once ``stopping`` is set (they then leave)."""
-        await stopping.wait()
-        async with self._version_seen:
-            self._version_seen.notify_all()
 
     # -- producing ---------------------------------------------------------------------------
     async def run(self, producer: str, publish: Callable[[Event], None],
@@ -233,16 +222,14 @@ class SamplerCore:
         batcher = ActionBatcher(self.holder, params, wait_s=sampler.batch_wait_s,
                                 seed=self.cfg.run.seed * self.replicas + self.replica)
         shared = _Run(producer, publish, stopping, batcher)
-        self._stopping = stopping
-        opener = asyncio.create_task(self._open_gate_on(stopping), name=f"{producer}-gate")
         slots = [asyncio.create_task(self._slot(shared), name=f"{producer}-slot-{i}")
                  for i in range(sampler.num_envs)]
         try:
             await asyncio.gather(*slots)
         finally:
-            for task in [*slots, opener]:
-                task.cancel()
-            await asyncio.gather(*slots, opener, return_exceptions=True)
+            for slot in slots:
+                slot.cancel()
+            await asyncio.gather(*slots, return_exceptions=True)
             batcher.close()
 
     async def _slot(self, shared: _Run) -> None:
@@ -252,7 +239,7 @@ class SamplerCore:
         rounds = 0
 
         def learner_reached_round() -> bool:
-            return self.learner_version >= rounds or self._stopped()
+            return self.learner_version >= rounds
 
         try:
             while not shared.stopping.is_set():
@@ -264,12 +251,8 @@ class SamplerCore:
                 if cfg.run.mode == "sync":  # one episode per slot per version
                     async with self._version_seen:
                         await self._version_seen.wait_for(learner_reached_round)
-                    if self._stopped():
-                        return
                     rounds = self.learner_version + 1
                 await self._episode(env, shared)
-        except _Stopped:
-            return  # it waited at the gate when the sampler stopped
         finally:
             await env.close()
 

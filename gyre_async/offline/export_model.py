@@ -9,7 +9,9 @@ tokenizer files, plus ``value_head.safetensors`` (the critic, for anyone continu
 Which version: by default the run's best validated one (``<run_dir>/best.json``, written by
 the keeper; see :mod:`gyre_async.core.keeper_best`), so a run that peaked earlier is not
 handed over at its worst; ``--version final`` the last published version, ``--version N``
-version N. A run without a best pointer exports its final version and says so.
+version N. A run without a best pointer exports its final version and says so. The checkpoint is read
+only from the run's checkpoint roots (:mod:`gyre_async.storage.roots`), whatever the log
+or the pointer names.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from gyre_async.bus.reading import read_events
 from gyre_async.config import bus_url, load_config
 from gyre_async.errors import ConfigError
 from gyre_async.storage.atomic import atomic_write_text
+from gyre_async.storage.errors import UntrustedAddress
+from gyre_async.storage.roots import StorageRoots
 from schemas.events import PolicyVersion
 from schemas.topics import POLICY_VERSION
 
@@ -44,19 +48,22 @@ async def choose_version(run_dir: str, wanted: str, bus: str | None = None) -> C
     from gyre_async.core.keeper_best import BestVersion, best_path
 
     cfg = load_config(os.path.join(run_dir, "config.json"))
+    roots = StorageRoots.from_config(msgspec.structs.replace(
+        cfg, run=msgspec.structs.replace(cfg.run, run_dir=run_dir)))
     pointer = best_path(run_dir)
     if wanted == "best" and os.path.exists(pointer):
         with open(pointer, "rb") as f:
             best = msgspec.json.decode(f.read(), type=BestVersion)
-        return Chosen(best.version, best.checkpoint, best.checkpoint_hash,
+        return Chosen(best.version, _in_roots(roots, best.checkpoint), best.checkpoint_hash,
                       f"best validated ({best.chosen_by}: success {best.success_rate:.3f})")
     async with open_bus(bus_url(cfg, bus)) as events:
         if wanted in ("best", "final"):
-            latest = await current_policy_version(events, cfg.run.run_id)
+            latest = await current_policy_version(events, cfg.run.run_id, roots.trusts)
             if latest is None:
                 raise ConfigError(f"{run_dir}: the run published no policy version")
             why = "final" if wanted == "final" else "final (the run has no best.json)"
-            return Chosen(latest.version, latest.checkpoint, latest.checkpoint_hash, why)
+            return Chosen(latest.version, roots.checkpoint_of(latest), latest.checkpoint_hash,
+                          why)
         try:
             number = int(wanted)
         except ValueError:
@@ -67,7 +74,16 @@ async def choose_version(run_dir: str, wanted: str, bus: str | None = None) -> C
                 found = event  # the last publication of that number (a rollback republishes)
     if found is None:
         raise ConfigError(f"{run_dir}: no policy version {number} was published")
-    return Chosen(number, found.checkpoint, found.checkpoint_hash, "requested")
+    return Chosen(number, roots.checkpoint_of(found), found.checkpoint_hash, "requested")
+
+
+def _in_roots(roots: StorageRoots, address: str) -> str:
+    """best.json names the keeper's copy, or (settled at the run's end) the learner's file:
+    either root, nothing else."""
+    try:
+        return roots.checkpoint(address, "keeper")
+    except UntrustedAddress:
+        return roots.checkpoint(address, "learner")
 
 
 def export_model(run_dir: str, out: str, chosen: Chosen) -> dict:

@@ -133,6 +133,7 @@ async def publish_warmstart(cfg: Config, policy: Policy, stats: dict[str, float]
     from gyre_async.bus.base import Bus  # noqa: F401 - type context only
     from gyre_async.runtime.process import open_run_bus
     from gyre_async.storage.checkpoints import CheckpointStore
+    from gyre_async.storage.roots import StorageRoots
     from schemas import encode
 
     async with open_run_bus(cfg, bus_override) as bus:
@@ -142,7 +143,7 @@ async def publish_warmstart(cfg: Config, policy: Policy, stats: dict[str, float]
             raise ConfigError(
                 f"run {cfg.run.run_id!r} already has policy version {latest.version} "
                 f"({latest.reason}); warm-start starts a run: use a fresh run.run_dir (or bus)")
-        store = CheckpointStore(cfg.learner.checkpoints or f"{cfg.run.run_dir}/checkpoints")
+        store = CheckpointStore(StorageRoots.from_config(cfg).checkpoints)
         ref = save_weights(store, policy, 0, {"run_id": cfg.run.run_id, "reason": "warmstart"})
         event = PolicyVersion(
             event_id=event_id("policy-version", cfg.run.run_id, 0, "warmstart"),

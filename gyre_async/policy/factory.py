@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from gyre_async.policy.base import Policy
 from gyre_async.policy.tokenizer import BaseTokenizer, tokenizer_for_vocabulary
 from gyre_async.policy.torch_policy import ModelConfig, TorchPolicy
-from gyre_async.storage.checkpoints import VERSION_KEY, CheckpointStore
+from gyre_async.storage.checkpoints import VERSION_KEY, CheckpointStore, load_checkpoint
 from schemas.config import Config
 
 
@@ -111,8 +111,9 @@ def save_weights(store: CheckpointStore, policy: Policy, version: int,
 
 
 def load_weights(policy: Policy, address: str, sha256: str) -> None:
-    """Load a published checkpoint into ``policy``: hash verified, then its header checked
-    against the policy (CheckpointMismatch names both model configs), then the tensors."""
-    directory = address.rsplit("/", 1)[0]
-    tensors, meta = CheckpointStore(directory).load(address, sha256)
+    """Load a checkpoint into ``policy``: hash verified and weights finite, then its header
+    checked against the policy (CheckpointMismatch names both model configs), then the
+    tensors. ``address`` comes from the caller's own store or was resolved inside the run's
+    roots (:class:`~gyre_async.storage.roots.StorageRoots`): this function trusts it."""
+    tensors, meta = load_checkpoint(address, sha256)
     policy.load_checkpoint(tensors, meta, address)

@@ -44,6 +44,7 @@ from gyre_async.runtime.actor import ActorRunner
 from gyre_async.runtime.process import install_stop_signals, open_run_bus
 from gyre_async.runtime.topology import RUN_ROLES, build_actor
 from gyre_async.storage.atomic import atomic_write_bytes
+from gyre_async.storage.roots import StorageRoots
 from gyre_async.ui.tensorboard import write_tensorboard
 from schemas import encode
 from schemas.config import Config
@@ -153,7 +154,8 @@ async def _final_evaluation(cfg: Config, bus, progress: Progress) -> None:
     A run cut by ``max_wall_s`` or ``max_env_steps`` still ends with a validation figure
     for the policy it actually produced, published like any other ``eval`` event.
     """
-    latest = await current_policy_version(bus, cfg.run.run_id)
+    latest = await current_policy_version(bus, cfg.run.run_id,
+                                          StorageRoots.from_config(cfg).trusts)
     evaluated = {event.policy_version
                  async for _record, event in read_events(bus, [EVAL], on_bad="skip",
                                                          run_id=cfg.run.run_id)

@@ -24,7 +24,6 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
@@ -36,14 +35,22 @@ from safetensors.torch import load as st_load
 
 from gyre_async.faultpoints import pause_point
 from gyre_async.storage.atomic import atomic_writer
-from gyre_async.storage.errors import CheckpointCorrupt, CheckpointError, as_storage_full
+from gyre_async.storage.errors import (
+    CheckpointCorrupt,
+    CheckpointError,
+    CheckpointNotFinite,
+    as_storage_full,
+)
+from gyre_async.storage.roots import CHECKPOINT_NAME, checkpoint_in
 from gyre_async.storage.urls import fsync_dir, normalize_store_url
 
-__all__ = ["CheckpointCorrupt", "CheckpointError", "CheckpointRef", "CheckpointStore"]
+__all__ = ["CheckpointCorrupt", "CheckpointError", "CheckpointNotFinite", "CheckpointRef",
+           "CheckpointStore", "check_finite", "load_checkpoint"]
 
 VERSION_KEY = "gyre.version"  # stored in the file's metadata, stripped on load
-_NAME_RE = re.compile(r"^v(\d{12})-([0-9a-f]{64})\.safetensors$")
+_NAME_RE = CHECKPOINT_NAME
 _BLOCK = 1 << 20
+_MAX_HEADER = 100 << 20  # the safetensors library refuses larger headers too
 _CORRUPT_FIX = ("fix: the file changed after it was published; restore it from a copy, or "
                 "roll back to an intact version")
 _DTYPES = {
@@ -124,6 +131,75 @@ def _prepare(
     return flat, dict(sorted(meta.items()))
 
 
+def load_checkpoint(address: str, expected_sha256: str
+                    ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Tensors and metadata of the checkpoint at ``address`` (resolved by the caller: see
+    :mod:`gyre_async.storage.roots`), after checking the file's sha256 (CheckpointCorrupt
+    names the file and both hashes) and that every weight is finite (CheckpointNotFinite
+    names the tensor). Creates nothing: no store is opened, no folder made."""
+    url, local = normalize_store_url(address)
+    if local is None:
+        tensors, meta = _load_remote(url, expected_sha256)
+    else:
+        tensors, meta = _load_local(local, expected_sha256)
+    meta.pop(VERSION_KEY, None)
+    check_finite(tensors, url)
+    return tensors, meta
+
+
+def _load_local(local: Path, expected: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    try:
+        actual = _sha256_file(local)
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint file {local} does not exist") from None
+    if actual != expected:
+        raise CheckpointCorrupt(
+            f"checkpoint {local}: sha256 {actual} does not match expected "
+            f"{expected}; {_CORRUPT_FIX}")
+    try:
+        with safe_open(str(local), framework="pt") as f:
+            meta = dict(f.metadata() or {})
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+    except Exception as exc:
+        raise CheckpointCorrupt(f"checkpoint {local} is not a valid safetensors file: {exc}") from exc
+    return tensors, meta
+
+
+def _load_remote(url: str, expected: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    from fsspec.core import url_to_fs
+
+    fs, path = url_to_fs(url)
+    data = fs.cat_file(path)
+    actual = hashlib.sha256(data).hexdigest()
+    if actual != expected:
+        raise CheckpointCorrupt(f"checkpoint {url}: sha256 {actual} does not match expected {expected}")
+    try:
+        header_len = int.from_bytes(data[:8], "little")
+        meta = dict(json.loads(data[8:8 + header_len]).get("__metadata__") or {})
+        tensors = st_load(data)
+    except Exception as exc:
+        raise CheckpointCorrupt(f"checkpoint {url} is not a valid safetensors file: {exc}") from exc
+    return tensors, meta
+
+
+def check_finite(tensors: Mapping[str, torch.Tensor], where: str) -> None:
+    """CheckpointNotFinite naming the first tensor (in name order) holding NaN or inf:
+    weights like that would make every action and every update NaN."""
+    for name in sorted(tensors):
+        t = tensors[name]
+        if not t.is_floating_point():
+            continue
+        if t.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+            t = t.float()  # float8: isfinite is not defined for it everywhere
+        finite = torch.isfinite(t)
+        if not bool(finite.all()):
+            bad = int(finite.numel() - int(finite.sum()))
+            raise CheckpointNotFinite(
+                f"checkpoint {where}: tensor {name!r} holds NaN or inf ({bad} of "
+                f"{t.numel()} values); refusing to load it. Fix: roll back to an earlier "
+                "version (the keeper's slots), or lower learner.learning_rate and retrain")
+
+
 class CheckpointStore:
     """Saves and loads versioned weight files under ``url``; see the module docstring."""
 
@@ -179,44 +255,32 @@ class CheckpointStore:
     def load(
         self, address: str, expected_sha256: str
     ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-        """Tensors and metadata of the checkpoint at ``address``, after checking the file's
-        sha256 (CheckpointCorrupt names the file and both hashes)."""
-        url, local = normalize_store_url(address)
-        if local is None:
-            return self._load_remote(url, expected_sha256)
+        """Tensors and metadata of the checkpoint at ``address`` in this store
+        (UntrustedAddress for one elsewhere); see :func:`load_checkpoint`."""
+        return load_checkpoint(checkpoint_in(self.url, normalize_store_url(address)[0]),
+                               expected_sha256)
+
+    def metadata(self, address: str) -> dict[str, str]:
+        """The header metadata of the checkpoint at ``address`` in this store (tensors not
+        read, sha256 not checked): enough to tell who wrote a file before removing it."""
+        url, local = normalize_store_url(
+            checkpoint_in(self.url, normalize_store_url(address)[0]))
         try:
-            actual = _sha256_file(local)
+            if local is not None:
+                with safe_open(str(local), framework="pt") as f:
+                    return dict(f.metadata() or {})
+            from fsspec.core import url_to_fs
+
+            fs, path = url_to_fs(url)
+            with fs.open(path, "rb") as remote:
+                size = int.from_bytes(remote.read(8), "little")
+                if size > _MAX_HEADER:
+                    raise ValueError(f"header of {size} bytes")
+                return dict(json.loads(remote.read(size)).get("__metadata__") or {})
         except FileNotFoundError:
-            raise CheckpointError(f"checkpoint file {local} does not exist") from None
-        if actual != expected_sha256:
-            raise CheckpointCorrupt(
-                f"checkpoint {local}: sha256 {actual} does not match expected "
-                f"{expected_sha256}; {_CORRUPT_FIX}")
-        try:
-            with safe_open(str(local), framework="pt") as f:
-                meta = dict(f.metadata() or {})
-                tensors = {name: f.get_tensor(name) for name in f.keys()}
+            raise CheckpointError(f"checkpoint file {url} does not exist") from None
         except Exception as exc:
-            raise CheckpointCorrupt(f"checkpoint {local} is not a valid safetensors file: {exc}") from exc
-        meta.pop(VERSION_KEY, None)
-        return tensors, meta
-
-    def _load_remote(self, url: str, expected: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-        from fsspec.core import url_to_fs
-
-        fs, path = url_to_fs(url)
-        data = fs.cat_file(path)
-        actual = hashlib.sha256(data).hexdigest()
-        if actual != expected:
-            raise CheckpointCorrupt(f"checkpoint {url}: sha256 {actual} does not match expected {expected}")
-        try:
-            header_len = int.from_bytes(data[:8], "little")
-            meta = dict(json.loads(data[8:8 + header_len]).get("__metadata__") or {})
-            tensors = st_load(data)
-        except Exception as exc:
-            raise CheckpointCorrupt(f"checkpoint {url} is not a valid safetensors file: {exc}") from exc
-        meta.pop(VERSION_KEY, None)
-        return tensors, meta
+            raise CheckpointCorrupt(f"checkpoint {url} has no readable header: {exc}") from exc
 
     def list(self) -> list[CheckpointRef]:
         """All checkpoints, by version, then by age for several files of one version."""
@@ -242,7 +306,8 @@ class CheckpointStore:
 
     def delete(self, address: str) -> None:
         """Remove one checkpoint file (retention); a missing file is not an error."""
-        url, local = normalize_store_url(address)
+        url, local = normalize_store_url(
+            checkpoint_in(self.url, normalize_store_url(address)[0]))
         if local is not None:
             local.unlink(missing_ok=True)
             fsync_dir(local.parent)

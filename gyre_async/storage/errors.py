@@ -38,6 +38,22 @@ class CheckpointCorrupt(CheckpointError):
     """A checkpoint file whose sha256 is not the one expected, or that cannot be parsed."""
 
 
+class CheckpointNotFinite(CheckpointError):
+    """A checkpoint whose weights hold NaN or inf: refused on load, naming the tensor."""
+
+
+class UntrustedAddress(StorageError, ValueError):
+    """An address named by an event that lies outside the run's storage roots, or uses
+    another protocol: refused before any file-system or network call (see
+    :mod:`gyre_async.storage.roots`). A ValueError too, so readers that refuse a foreign
+    address already refuse this one."""
+
+
+class UntrustedProducer(StorageError, ValueError):
+    """An event naming a checkpoint that the role owning those checkpoints did not announce
+    (another producer, or another run)."""
+
+
 class StorageFull(StorageError, OutOfSpace):
     """The volume under a store is full (or a size limit was hit): nothing was made visible.
 

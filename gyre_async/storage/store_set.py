@@ -5,7 +5,9 @@ scale out (``gyre launch --replicas segmenter=N``) each writes a store of its ow
 (:func:`segment_store_url`). Every ``segment-closed`` address names its store
 (``<store-url>#<segment-id>``), so readers (the learner, replay, the invariant checker)
 need no list of stores: :class:`SegmentStores` opens each one, read-only, the first time
-an address names it.
+an address names it, once the run's roots accept the address
+(:meth:`~gyre_async.storage.roots.StorageRoots.segment`): a store elsewhere, or behind
+another protocol, is never opened.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from gyre_async.storage.roots import StorageRoots
 from gyre_async.storage.segments import SegmentStore
 
 #: the store of the segmenter named after its role (a run with one segmenter)
@@ -40,18 +43,22 @@ def store_url_of(address: str) -> str:
 
 
 class SegmentStores:
-    """Read-only access to segments in any store their addresses name."""
+    """Read-only access to segments in any of the run's stores that their addresses name
+    (UntrustedAddress, before any I/O, for an address outside ``roots``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, roots: StorageRoots) -> None:
+        self.roots = roots
         self._stores: dict[str, SegmentStore] = {}
 
     def store(self, url: str) -> SegmentStore:
         if url not in self._stores:
+            if not self.roots.segment_store(url):
+                self.roots.segment(f"{url}#-")  # raises, naming the roots
             self._stores[url] = SegmentStore(url, read_only=True)
         return self._stores[url]
 
     def read(self, address: str, verify: bool = True) -> dict[str, np.ndarray]:
-        return self.store(store_url_of(address)).read(address, verify)
+        return self.store(store_url_of(self.roots.segment(address))).read(address, verify)
 
     def read_many(self, addresses: Iterable[str],
                   verify: bool = True) -> list[dict[str, np.ndarray]]:
@@ -59,7 +66,7 @@ class SegmentStores:
         addresses = list(addresses)
         by_store: dict[str, list[int]] = defaultdict(list)
         for i, address in enumerate(addresses):
-            by_store[store_url_of(address)].append(i)
+            by_store[store_url_of(self.roots.segment(address))].append(i)
         out: list[dict[str, np.ndarray]] = [{} for _ in addresses]
         for url, indices in by_store.items():
             arrays = self.store(url).read_many([addresses[i] for i in indices], verify)

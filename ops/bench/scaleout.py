@@ -84,7 +84,7 @@ async def publish_version_zero(url: str, config: Path) -> None:
     ref = save_weights(CheckpointStore(f"{cfg.run.run_dir}/checkpoints"),
                        build_policy(cfg, build_tokenizer(cfg)), 0)
     v0 = PolicyVersion(event_id=event_id("scaleout-v0", cfg.run.run_id), run_id=cfg.run.run_id,
-                       producer="scaleout-bench", key="policy", version=0,
+                       producer="learner", key="policy", version=0,  # its stand-in
                        checkpoint=ref.address, checkpoint_hash=ref.sha256, reason="init",
                        consumed_steps=GATE_OPEN)
     async with open_bus(url) as bus:

@@ -284,6 +284,25 @@ async def test_hung_env_times_out_while_another_env_proceeds():
     assert finished["good"] < 0.4 < finished["hung"] < 1.5
 
 
+async def test_a_cancel_that_comes_as_the_step_finishes_is_not_swallowed():
+    """The caller of a step that has just finished is cancelled (a sampler being stopped):
+    the cancellation ends it. (Python 3.11's ``asyncio.wait_for`` returned the step's
+    result and dropped the cancellation; a slot then played on to its staleness gate and
+    its sampler never stopped.)"""
+    gate = asyncio.Event()  # never opens: only the cancellation ends the slot
+
+    async def slot() -> None:
+        await guarded_step(FaultyEnv("ok"), "wait", timeout_s=5)
+        await gate.wait()
+
+    task = asyncio.create_task(slot())
+    for _ in range(2):  # the slot starts its step, the step finishes
+        await asyncio.sleep(0)
+    task.cancel()
+    done, _ = await asyncio.wait([task], timeout=1)
+    assert done and task.cancelled()
+
+
 async def test_exception_and_oversized_observation_are_reported():
     failure = await guarded_step(FaultyEnv("raise"), "wait", timeout_s=1)
     assert failure == EnvFailure("exception", "step raised ValueError: tool crashed: disk full")

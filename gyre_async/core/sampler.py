@@ -92,6 +92,11 @@ Play = Callable[[Callable[[StepRecord], Awaitable[None]], Callable[[], Awaitable
 SEED_SPAN = 10**7
 
 
+class _Stopped(Exception):
+    """The sampler is stopping and a slot was waiting at the gate: it leaves at once (its
+    episode stays open, as a cancelled one does, for a restarted sampler to resume)."""
+
+
 @dataclass(frozen=True)
 class _Run:
     """What every slot of one :meth:`SamplerCore.run` shares."""
@@ -103,6 +108,8 @@ class _Run:
 
 
 class SamplerCore:
+    _stopping: asyncio.Event | None = None  # the running ``run``'s: it opens the gate
+
     def __init__(self, cfg: Config, holder: PolicyHolder, builder: ContextBuilder):
         self.cfg = cfg
         self.holder = holder
@@ -194,21 +201,35 @@ class SamplerCore:
 
     async def _admit(self, opens_segment: bool = True) -> None:
         """Wait until the staleness gate admits one more step (``opens_segment``: the
-        first of a segment, paced so that the segment reaches the learner within the bound)."""
+        first of a segment, paced so that the segment reaches the learner within the bound),
+        or raise :class:`_Stopped` when the sampler stops first: a stop never waits on the
+        learner, nor on a cancellation to reach the slot."""
         loop = asyncio.get_running_loop()
         started = loop.time()
         async with self._version_seen:
             if not self._admissible(opens_segment):
                 self.at_gate += 1
                 try:
-                    await self._version_seen.wait_for(lambda: self._admissible(opens_segment))
+                    await self._version_seen.wait_for(
+                        lambda: self._admissible(opens_segment) or self._stopped())
                 finally:
                     self.at_gate -= 1
+                if not self._admissible(opens_segment):
+                    raise _Stopped
         self.steps_emitted += 1
         self.paused_s += loop.time() - started
 
     async def _count(self) -> None:
         self.steps_emitted += 1
+
+    def _stopped(self) -> bool:
+        return self._stopping is not None and self._stopping.is_set()
+
+    async def _open_gate_on(self, stopping: asyncio.Event) -> None:
+        """Wake every slot waiting at the gate once ``stopping`` is set (they then leave)."""
+        await stopping.wait()
+        async with self._version_seen:
+            self._version_seen.notify_all()
 
     # -- producing ---------------------------------------------------------------------------
     async def run(self, producer: str, publish: Callable[[Event], None],
@@ -222,14 +243,16 @@ class SamplerCore:
         batcher = ActionBatcher(self.holder, params, wait_s=sampler.batch_wait_s,
                                 seed=self.cfg.run.seed * self.replicas + self.replica)
         shared = _Run(producer, publish, stopping, batcher)
+        self._stopping = stopping
+        opener = asyncio.create_task(self._open_gate_on(stopping), name=f"{producer}-gate")
         slots = [asyncio.create_task(self._slot(shared), name=f"{producer}-slot-{i}")
                  for i in range(sampler.num_envs)]
         try:
             await asyncio.gather(*slots)
         finally:
-            for slot in slots:
-                slot.cancel()
-            await asyncio.gather(*slots, return_exceptions=True)
+            for task in [*slots, opener]:
+                task.cancel()
+            await asyncio.gather(*slots, opener, return_exceptions=True)
             batcher.close()
 
     async def _slot(self, shared: _Run) -> None:
@@ -239,7 +262,7 @@ class SamplerCore:
         rounds = 0
 
         def learner_reached_round() -> bool:
-            return self.learner_version >= rounds
+            return self.learner_version >= rounds or self._stopped()
 
         try:
             while not shared.stopping.is_set():
@@ -251,8 +274,12 @@ class SamplerCore:
                 if cfg.run.mode == "sync":  # one episode per slot per version
                     async with self._version_seen:
                         await self._version_seen.wait_for(learner_reached_round)
+                    if self._stopped():
+                        return
                     rounds = self.learner_version + 1
                 await self._episode(env, shared)
+        except _Stopped:
+            return  # it waited at the gate when the sampler stopped
         finally:
             await env.close()
 

@@ -108,8 +108,12 @@ class Env(abc.ABC):
 
 
 async def _guarded(coro: Any, timeout_s: float, max_chars: int, what: str) -> Any:
+    # asyncio.timeout, not asyncio.wait_for: on Python 3.11 wait_for returns the result of
+    # a step that finished just as the caller was cancelled, and swallows the cancellation
+    # (a sampler slot then played on to its staleness gate and never stopped).
     try:
-        result = await asyncio.wait_for(coro, timeout_s)
+        async with asyncio.timeout(timeout_s):
+            result = await coro
     except TimeoutError:
         return EnvFailure("timeout", f"{what} took longer than {timeout_s:g}s")
     except Exception as exc:  # noqa: BLE001 - every env error becomes a value (not cancel)
@@ -130,8 +134,9 @@ async def guarded_step(env: Env, action: str, timeout_s: float, *,
                        ) -> StepResult | EnvFailure:
     """``env.step(action)`` bounded by ``timeout_s``; failures come back as values.
 
-    Uses ``asyncio.wait_for``, so a hung step only holds up the coroutine awaiting it; other
-    environments' steps on the same loop proceed. Cancellation of the caller still propagates.
+    A hung step only holds up the coroutine awaiting it; other environments' steps on the
+    same loop proceed. Cancellation of the caller always propagates, even one that comes
+    as the step finishes.
     """
     return await _guarded(env.step(action), timeout_s, max_observation_chars, "step")
 

@@ -54,6 +54,8 @@ from schemas.events import DeadLetter, Heartbeat
 from schemas.topics import DEAD_LETTER, TELEMETRY
 
 log = structlog.get_logger(__name__)
+#: rounds of cancellation a stopping actor's tasks get before they are left behind
+STOP_ROUNDS = 3
 
 
 @dataclass(frozen=True)
@@ -303,7 +305,7 @@ class ActorRunner:
             self.stopping.set()
             for task in tasks:
                 task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await self._ended(tasks)
             if self._consumer is not None:
                 await self._consumer.close()
             await self.actor.on_stop()
@@ -312,6 +314,26 @@ class ActorRunner:
                           dead_letters=self.dead_letters)
 
     # -- internals -----------------------------------------------------------------------------
+    async def _ended(self, tasks: list[asyncio.Task]) -> None:
+        """Wait for the cancelled ``tasks`` to end, cancelling again those that outlive a
+        round of ``max(stop_grace_s, 1)`` seconds: a cancellation can be lost (Python 3.11's
+        ``asyncio.wait_for`` drops one that comes as its inner task finishes) and a stop must
+        not wait on it for ever. After ``STOP_ROUNDS`` rounds the tasks still running are
+        named in the log and left behind: the actor stops anyway."""
+        pending = {task for task in tasks if not task.done()}
+        for round_ in range(STOP_ROUNDS):
+            if round_:
+                for task in pending:
+                    task.cancel()
+            _, pending = await asyncio.wait(pending, timeout=max(self.stop_grace_s, 1.0)) \
+                if pending else (set(), set())
+        if pending:
+            self.log.error("actor.stop_abandoned", tasks=sorted(t.get_name() for t in pending),
+                           why=f"still running after {STOP_ROUNDS} rounds of cancellation")
+        for task in tasks:  # their errors were raised already, or are moot once stopping
+            if task.done() and not task.cancelled():
+                task.exception()
+
     async def _produce(self) -> None:
         await self.actor.produce()
         await self.stopping.wait()

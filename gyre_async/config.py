@@ -14,6 +14,8 @@ from pathlib import Path
 
 import msgspec
 
+from gyre_async.bus.secrets import redact
+from gyre_async.config_fields import explain
 from gyre_async.errors import ConfigError
 from schemas.config import Config
 from schemas.events import MAX_STEPS_PER_SEGMENT
@@ -30,9 +32,13 @@ def load_config(path: str | os.PathLike | None) -> Config:
                           "records its own as <run_dir>/config.json)")
     is_json = p.suffix.lower() == ".json"
     codec = msgspec.json if is_json else msgspec.toml
+    data = p.read_bytes()
     try:
-        cfg = codec.decode(p.read_bytes(), type=Config)
+        cfg = codec.decode(data, type=Config)
     except msgspec.ValidationError as exc:
+        bounds = explain(exc, codec.decode(data))  # a size, count or duration out of range
+        if bounds:
+            raise ConfigError(f"{p}: {bounds}") from None
         raise ConfigError(
             f"{p}: {exc}. Fix that field (every field is documented in schemas/config.py; "
             "unknown fields are refused so typos don't pass silently)."
@@ -82,6 +88,16 @@ def register_check(fn):
     """Let a role's module add validation for its own section."""
     _extra_checks.append(fn)
     return fn
+
+
+def recorded_config(cfg: Config) -> bytes:
+    """``cfg`` as a run records it in ``<run_dir>/config.json``: JSON, with the bus URL's
+    secrets redacted (:func:`gyre_async.bus.secrets.redact`; ``${NAME}`` references are
+    kept). Reused as a config, a redacted URL refuses to connect and says where the secret
+    must come from; a URL that names its secret by variable works as it is."""
+    shown = msgspec.structs.replace(cfg, bus=msgspec.structs.replace(
+        cfg.bus, url=redact(cfg.bus.url)))
+    return msgspec.json.format(msgspec.json.encode(shown), indent=2)
 
 
 def bus_url(cfg: Config, override: str | None = None) -> str:

@@ -37,10 +37,11 @@ import asyncio
 import json
 import sys
 from pathlib import Path
-from urllib.parse import parse_qsl, urlparse
+from urllib.parse import urlparse
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from gyre_async.bus.secrets import expand_query, redact
 from schemas.topics import (
     ALL_TOPICS,
     DEAD_LETTER,
@@ -93,8 +94,9 @@ def parse_bus(url: str) -> tuple[str, dict[str, str], dict[str, str]]:
     """``kafka://h1:9092,h2:9092?...`` -> (bootstrap, security options, bus options)."""
     parsed = urlparse(url)
     if parsed.scheme != "kafka" or not parsed.netloc:
-        raise SystemExit(f"--bus {url!r}: give kafka://host:port[,host:port][?security...]")
-    params = dict(parse_qsl(parsed.query))
+        raise SystemExit(f"--bus {redact(url)!r}: give kafka://host:port[,host:port]"
+                         "[?security...]")
+    params = expand_query(parsed.query)  # ${NAME} references: the environment's secrets
     bus_opts = {k: v for k, v in params.items() if k in _BUS_OPTIONS}
     security = {k: v for k, v in params.items() if k not in _BUS_OPTIONS}
     return parsed.netloc, security, bus_opts

@@ -200,12 +200,27 @@ def _fields(cls: type) -> dict[str, msgspec.inspect.Type]:
     return {f.name: f.type for f in msgspec.inspect.type_info(cls).fields}
 
 
-#: Fields that must reject NaN/inf at decode (rewards, log-probs, feedback).
+def _holds_float(t: msgspec.inspect.Type) -> bool:
+    I = msgspec.inspect  # noqa: E741
+    if isinstance(t, I.FloatType):
+        return True
+    if isinstance(t, I.UnionType):
+        return any(_holds_float(x) for x in t.types)
+    if isinstance(t, I.ListType):
+        return _holds_float(t.item_type)
+    if isinstance(t, I.DictType):
+        return _holds_float(t.value_type)
+    if isinstance(t, I.StructType):
+        return any(_holds_float(f.type) for f in t.fields)
+    return False
+
+
+#: Fields that must reject NaN/inf at decode: every field of every event whose type holds a
+#: float anywhere (rewards, log-probs, feedback, metrics, eval rates, timestamps, nested
+#: primitive steps), read off the schema so that a float field added later is covered too.
 MUST_BE_FINITE: dict[str, tuple[str, ...]] = {
-    "TrajectoryStep": ("action_logprobs", "feedback"),
-    "SegmentClosed": ("feedback",),
-    "Scored": ("components", "step_rewards", "total"),
-}
+    cls.__name__: fields for topic in TOPICS for cls in union_types(topic)
+    if (fields := tuple(f for f, t in _fields(cls).items() if _holds_float(t)))}
 #: Indices with a non-negative constraint in the schema.
 NON_NEGATIVE: dict[str, tuple[str, ...]] = {
     "TrajectoryStep": ("step_index", "policy_version"),
@@ -250,7 +265,15 @@ def broken_event(draw, topic: str):
     elif kind == "non-finite":
         field = draw(st.sampled_from(MUST_BE_FINITE[name]))
         bad = draw(st.sampled_from([math.nan, math.inf, -math.inf]))
-        d[field] = _poison(d[field], bad)
+        t = fields[field]
+        if isinstance(t, msgspec.inspect.ListType) and \
+                isinstance(t.item_type, msgspec.inspect.StructType):  # a nested float
+            inner = t.item_type.cls
+            item = msgspec.to_builtins(inner(**draw(_struct_fields(inner))))
+            item.update({f: bad for f, ft in _fields(inner).items() if _holds_float(ft)})
+            d[field] = [item]
+        else:
+            d[field] = _poison(d[field], bad)
         if field == "action_logprobs":  # keep the lengths consistent: only one thing broken
             d["action_tokens"] = (d["action_tokens"] + [1])[: len(d[field])] or [1]
             d[field] = d[field][: len(d["action_tokens"])]

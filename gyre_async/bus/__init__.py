@@ -4,10 +4,19 @@
 - ``kafka://host:port[,host:port]?security_protocol=SSL&...``: aiokafka on a Kafka cluster.
 """
 
-from gyre_async.bus.base import Bus, BusError, Consumer, MessageTooLarge, Record, TopicInfo, partition_for
-from gyre_async.bus.url import open_bus
+from gyre_async.bus.base import (
+    Bus,
+    BusError,
+    BusUnreachable,
+    Consumer,
+    MessageTooLarge,
+    Record,
+    TopicInfo,
+    partition_for,
+)
+from gyre_async.bus.url import BusURLError, open_bus
 
 __all__ = [
-    "Bus", "BusError", "Consumer", "MessageTooLarge", "Record", "TopicInfo", "open_bus",
-    "partition_for",
+    "Bus", "BusError", "BusURLError", "BusUnreachable", "Consumer", "MessageTooLarge", "Record",
+    "TopicInfo", "open_bus", "partition_for",
 ]

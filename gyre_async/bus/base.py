@@ -48,6 +48,11 @@ class BusError(Exception):
         self.retriable = retriable
 
 
+class BusUnreachable(BusError):
+    """The bus could not be reached at start (no broker there, wrong address, refused
+    credentials). Commands report it in one line with the fix, not a traceback."""
+
+
 class MessageTooLarge(BusError):
     def __init__(self, size: int, limit: int):
         super().__init__(

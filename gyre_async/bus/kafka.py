@@ -41,10 +41,12 @@ Choices, and why:
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import re
 import time
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import structlog
@@ -70,6 +72,7 @@ from aiokafka.structs import TopicPartition as KafkaTP
 from gyre_async.bus.base import (
     Bus,
     BusError,
+    BusUnreachable,
     MessageTooLarge,
     TopicInfo,
     partition_for,
@@ -144,6 +147,26 @@ def client_config(bootstrap: str, client_id: str, security: Mapping[str, str]) -
     return cfg
 
 
+@contextlib.contextmanager
+def _bootstrap_errors_raised_not_logged() -> Iterator[None]:
+    """aiokafka logs each refused bootstrap connection at ERROR, then raises; the raised
+    error becomes :class:`BusUnreachable`, which says the same and how to fix it. So while
+    bootstrapping, its ERROR lines are dropped: a command that cannot reach the bus prints
+    one line, not two. Nothing else is filtered, nor at any other time."""
+    quiet = _BelowCritical()
+    logger = logging.getLogger("aiokafka")
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
+
+
+class _BelowCritical(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.CRITICAL
+
+
 class KafkaBus(Bus):
     """A :class:`Bus` on a Kafka-protocol cluster (Apache Kafka, Redpanda, noida-db, Tansu)."""
 
@@ -206,13 +229,22 @@ class KafkaBus(Bus):
             return
         try:
             self._meta = AIOKafkaClient(**self._client_cfg)
-            await self._meta.bootstrap()
+            with _bootstrap_errors_raised_not_logged():
+                await self._meta.bootstrap()
             self._producer = await self._start_producer(self._meta)
             self._admin = AIOKafkaAdminClient(**self._client_cfg)
             await self._admin.start()
         except Exception as exc:
             await self.close()
-            raise bus_error(exc, f"cannot connect to Kafka at {self.bootstrap}") from exc
+            if isinstance(exc, BusError):  # already says what is wrong (and how to fix it)
+                raise
+            detail = str(exc) if str(exc).startswith(type(exc).__name__) else \
+                f"{type(exc).__name__}: {exc}"
+            raise BusUnreachable(
+                f"cannot connect to Kafka at {self.bootstrap}: {detail}; check that the broker "
+                "runs and listens there, and that the bus URL (--bus, bus.url or $GYRE_BUS) "
+                "names it with the right security settings",
+                retriable=bus_error(exc, "").retriable) from exc
         log.info("kafka.started", bootstrap=self.bootstrap, idempotent=self.idempotent,
                  security_protocol=self._security_protocol)
 

@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
-from urllib.parse import parse_qsl, urlparse
+from urllib.parse import urlparse
 
 from gyre_async.bus.base import Bus
+from gyre_async.bus.secrets import expand_query, redact
+from gyre_async.errors import ConfigError
+
+
+class BusURLError(ConfigError, ValueError):
+    """A bus URL that can never work (unknown scheme or option, an unset ``${NAME}``); the
+    message names what to fix and never holds a secret. ``gyre`` reports it as a config
+    error (exit status 2)."""
 
 
 def open_bus(url: str, **options: object) -> Bus:
@@ -13,7 +21,19 @@ def open_bus(url: str, **options: object) -> Bus:
     ``sqlite:///rel/path.db``, ``sqlite:////abs/path.db`` or a plain path ending in ``.db``
     give the embedded bus; ``kafka://h1:9092,h2:9092?security_protocol=SASL_SSL&...`` gives
     the Kafka bus (query parameters are passed to aiokafka: TLS and SASL settings).
+    ``${NAME}`` in a query value (``sasl_plain_password=${GYRE_KAFKA_PASSWORD}``) is the
+    environment variable ``NAME``, read here, when the bus is built, and nowhere else (see
+    :mod:`gyre_async.bus.secrets`).
     """
+    try:
+        return _open_bus(url, **options)
+    except BusURLError:
+        raise
+    except ValueError as exc:  # the backends' own option checks: as wrong as a bad URL
+        raise BusURLError(redact(str(exc))) from None
+
+
+def _open_bus(url: str, **options: object) -> Bus:
     parsed = urlparse(url)
     scheme = parsed.scheme or ("sqlite" if url.endswith(".db") else "")
     if scheme == "sqlite":
@@ -30,11 +50,11 @@ def open_bus(url: str, **options: object) -> Bus:
         from gyre_async.bus.kafka import KafkaBus
 
         if "@" in parsed.netloc:  # never echo the URL: it holds a secret
-            raise ValueError("kafka:// URL with user:password@ in it: pass credentials as "
-                             "sasl_plain_username=...&sasl_plain_password=... query parameters")
-        params = dict(parse_qsl(parsed.query))
+            raise BusURLError("kafka:// URL with user:password@ in it: pass credentials as "
+                              "sasl_plain_username=...&sasl_plain_password=... query parameters")
+        params = expand_query(parsed.query)
         return KafkaBus(parsed.netloc, **params, **options)  # type: ignore[arg-type]
-    raise ValueError(
-        f"unknown bus URL {url!r}: use sqlite:///path/events.db (embedded, the default) "
-        "or kafka://host:port"
+    raise BusURLError(
+        f"unknown bus URL {redact(url)!r}: use sqlite:///path/events.db (embedded, the "
+        "default) or kafka://host:port"
     )

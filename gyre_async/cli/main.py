@@ -7,8 +7,9 @@ import datetime as dt
 import json
 import sys
 
-from gyre_async.bus import open_bus
+from gyre_async.bus import BusUnreachable, open_bus
 from gyre_async.bus.reading import read_back_limit
+from gyre_async.bus.secrets import has_literal_secret, redact
 from gyre_async.config import bus_url, load_config
 from gyre_async.errors import ConfigError, OutOfSpace
 from gyre_async.runtime.logs import configure_logging
@@ -60,8 +61,11 @@ def _parser() -> argparse.ArgumentParser:
                        "policy-version group and staleness share derive from it")
     actor.add_argument("--run-dir", help="override run.run_dir")
     actor.add_argument("--metrics-port", type=int, metavar="PORT",
-                       help="serve Prometheus metrics at http://0.0.0.0:PORT/metrics and "
+                       help="serve Prometheus metrics at http://HOST:PORT/metrics and "
                        "liveness at /healthz (default: off)")
+    actor.add_argument("--metrics-host", metavar="HOST",
+                       help="address the metrics endpoint listens on (default 127.0.0.1: "
+                       "this machine only; 0.0.0.0 for a scraper elsewhere)")
     actor.add_argument("--rank", type=int, help="learner: this process's rank in a "
                        "data-parallel learner of learner.world_size (default: $RANK as "
                        "torchrun sets it, else 0); ranks > 0 follow rank 0, off the bus")
@@ -127,16 +131,28 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     configure_logging(args.log_level)
+    if has_literal_secret(getattr(args, "bus", None) or ""):
+        print("gyre: warning: --bus holds a password, which every user of this machine can "
+              "read in `ps`; write it as ${VARIABLE} in the URL (quoted, so the shell leaves "
+              "it) and export the variable, or put the URL in $GYRE_BUS", file=sys.stderr)
     try:
         return _dispatch(args)
     except ConfigError as exc:
-        print(f"gyre: config error: {exc}", file=sys.stderr)
+        print(f"gyre: config error: {redact(str(exc))}", file=sys.stderr)
         return 2
     except OutOfSpace as exc:  # a full disk: what and how to fix, not a traceback
         print(f"gyre: out of space: {exc}", file=sys.stderr)
         return 1
+    except BusUnreachable as exc:  # no broker there: what and how to fix, not a traceback
+        print(f"gyre: bus unreachable: {one_line(exc)}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
+
+
+def one_line(exc: BaseException) -> str:
+    """An error's message on one line, secrets redacted (it may quote a bus URL)."""
+    return " ".join(redact(str(exc)).split())
 
 
 def _config(args):
@@ -192,7 +208,8 @@ def _dispatch(args) -> int:
 
             if follows_leader(cfg, args.rank):  # a data-parallel learner's rank > 0
                 return 0
-        run_main(lambda: run_actor(args.role, cfg, args.bus, name, args.metrics_port))
+        run_main(lambda: run_actor(args.role, cfg, args.bus, name, args.metrics_port,
+                                    args.metrics_host))
         return 0
     if args.command == "run":
         from gyre_async.runtime.loop import run_loop
@@ -275,7 +292,7 @@ async def _tail(url: str, args) -> int:
     async with open_bus(url) as bus:
         known = {t.name: t for t in await bus.topics()}
         if args.topic not in known:
-            raise SystemExit(f"no topic {args.topic!r} on {url}; topics: {', '.join(known)}")
+            raise SystemExit(f"no topic {args.topic!r} on {redact(url)}; topics: {', '.join(known)}")
         info = known[args.topic]
         reader = await bus.reader([args.topic])
         try:

@@ -37,12 +37,14 @@ from gyre_async.storage.roots import is_role
 from schemas import Event, event_id
 from schemas.config import Config
 from schemas.events import (
+    MAX_READING,
     CheckpointFault,
     EvalResult,
     KeptCheckpoint,
     KeptSlot,
     PolicyVersion,
     Rollback,
+    finite_reading,
 )
 
 log = structlog.get_logger(__name__)
@@ -186,6 +188,9 @@ class KeeperCore:
         keeper = self.cfg.keeper
         measures = {"kl": policy_kl(self.policy, old, new, self.probe) if self.probe else 0.0,
                     "param_change": relative_param_change(old, new)}
+        # an infinite KL (the new policy gives 0 to an action) is a reading, and events
+        # carry finite floats: capped, it still reads as the largest update there is
+        measures = {k: finite_reading(v, fallback=MAX_READING) for k, v in measures.items()}
         self.last_measures = measures
         large = (keeper.large_update_kl > 0 and measures["kl"] > keeper.large_update_kl) or \
                 (keeper.large_update_param_change > 0

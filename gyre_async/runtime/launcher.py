@@ -25,6 +25,13 @@ Behaviour:
   its group); after ``--stop-timeout`` the stragglers get SIGKILL. A second signal kills
   at once. On Linux each child also gets SIGTERM if the launcher itself dies (PDEATHSIG),
   so a ``kill -9`` of the launcher leaves no orphans holding group memberships;
+- the bus URL reaches the roles without its secrets on their command lines (which any
+  user of the machine can read in ``ps``): a password in ``--bus`` travels in each child's
+  environment and the child's ``--bus`` names it as ``${GYRE_BUS_SASL_PLAIN_PASSWORD}``
+  (:func:`gyre_async.bus.secrets.externalize`); a URL that already names its secrets
+  (``${GYRE_KAFKA_PASSWORD}``) is passed as it is, the variable inherited. A Kafka bus is
+  tried once before any role starts: an unreachable one is one line and exit status 1,
+  not N crash-looping roles;
 - ``--status-file`` is rewritten atomically on every change: role -> pid, restarts, state,
   last exit (for scripts, probes and tests that need a role's PID);
 - ``--replicas sampler=4`` runs N processes of a role, named ``ROLE-0`` .. ``ROLE-(N-1)``
@@ -51,6 +58,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
+from gyre_async.bus.secrets import externalize
 from gyre_async.runtime.topology import CORE_ROLES, ROLES
 from gyre_async.storage.atomic import atomic_write_text
 
@@ -83,6 +91,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--metrics-port-base", type=int, default=0, metavar="N",
                    help="give process i (in --roles order, replicas in turn) --metrics-port "
                    "N+i (default: none)")
+    p.add_argument("--metrics-host", metavar="HOST",
+                   help="address the roles' metrics endpoints listen on (default 127.0.0.1: "
+                   "this machine only)")
     p.add_argument("--max-restarts", type=int, default=10, metavar="N",
                    help="give up (exit 1) when a role needs more than N restarts in total "
                    "(default 10; negative: never give up)")
@@ -99,6 +110,7 @@ class Role:
 
     name: str
     argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)  # added to the launcher's environment
     proc: subprocess.Popen | None = None
     restarts: int = 0
     streak: int = 0  # restarts since the last stable run (drives the backoff)
@@ -160,13 +172,20 @@ def role_argv(role: str, args, port: int | None,
     argv += ["actor", role, "--config", args.config]
     if replica is not None:
         argv += ["--replica", f"{replica[0]}/{replica[1]}"]
-    if args.bus:
-        argv += ["--bus", args.bus]
+    if args.bus:  # its secrets, if any, go by environment (see :func:`child_environment`)
+        argv += ["--bus", externalize(args.bus)[0]]
     if getattr(args, "run_dir", None):
         argv += ["--run-dir", args.run_dir]
     if port:
         argv += ["--metrics-port", str(port)]
+        if getattr(args, "metrics_host", None):
+            argv += ["--metrics-host", args.metrics_host]
     return argv
+
+
+def child_environment(args) -> dict[str, str]:
+    """The variables that carry ``--bus``'s secrets to the roles (see :func:`role_argv`)."""
+    return externalize(args.bus)[1] if args.bus else {}
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
@@ -220,7 +239,8 @@ class Launcher:
         _PARENT[0] = os.getpid()
         # preexec_fn is unsafe only with threads; the launcher has none.
         preexec = _die_with_parent if _LIBC is not None else None
-        role.proc = subprocess.Popen(role.argv, preexec_fn=preexec)  # noqa: PLW1509
+        env = {**os.environ, **role.env} if role.env else None
+        role.proc = subprocess.Popen(role.argv, env=env, preexec_fn=preexec)  # noqa: PLW1509
         role.started_at = time.monotonic()
         role.restart_at = None
         role.pids.append(role.process.pid)
@@ -353,7 +373,7 @@ def run(args) -> int:
     """``gyre launch``: validate the config and roles, then supervise until done or stopped."""
     from gyre_async.config import load_config
 
-    load_config(args.config)  # a ConfigError here beats four crash-looping children
+    cfg = load_config(args.config)  # a ConfigError here beats four crash-looping children
     names = [r.strip() for r in args.roles.split(",") if r.strip()]
     unknown = [r for r in names if r not in ROLES]
     if unknown or not names or len(set(names)) != len(names):
@@ -365,22 +385,41 @@ def run(args) -> int:
     except ValueError as exc:
         print(f"gyre launch: --replicas {exc}", file=sys.stderr)
         return 2
+    check_bus(cfg, args.bus)  # so is an unreachable bus (BusUnreachable, one line)
     base = args.metrics_port_base
+    env = child_environment(args)
     roles: list[Role] = []
     for name in names:
         for index in range(counts[name]):
             port = base + len(roles) if base else None
             if counts[name] == 1:
-                roles.append(Role(name, role_argv(name, args, port)))
+                roles.append(Role(name, role_argv(name, args, port), env))
             else:
                 roles.append(Role(f"{name}-{index}",
-                                  role_argv(name, args, port, (index, counts[name]))))
+                                  role_argv(name, args, port, (index, counts[name])), env))
     return Launcher(roles, max_restarts=args.max_restarts, stop_timeout=args.stop_timeout,
                     status_file=args.status_file).run()
 
 
+def check_bus(cfg, override: str | None) -> None:
+    """Connect once to a Kafka bus and leave (raises :class:`BusUnreachable` or
+    :class:`BusURLError`). The embedded bus is not opened here: its roles create it."""
+    from gyre_async.config import bus_url
+    from gyre_async.runtime.process import open_run_bus, run_main
+
+    if not bus_url(cfg, override).startswith("kafka:"):
+        return
+
+    async def connect() -> None:
+        async with open_run_bus(cfg, override):
+            pass
+
+    run_main(connect)
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m gyre_async.runtime.launcher CONFIG ...`` (same options as ``gyre launch``)."""
+    from gyre_async.bus import BusUnreachable
     from gyre_async.errors import ConfigError
     from gyre_async.runtime.logs import configure_logging
 
@@ -394,6 +433,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"gyre: config error: {exc}", file=sys.stderr)
         return 2
+    except BusUnreachable as exc:
+        print(f"gyre: bus unreachable: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import MutableMapping
+from typing import Any
 
 import structlog
+
+from gyre_async.bus.secrets import redact
 
 
 def configure_logging(level: str = "INFO", *, json: bool = True, stream=None) -> None:
@@ -22,6 +26,7 @@ def configure_logging(level: str = "INFO", *, json: bool = True, stream=None) ->
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.format_exc_info,
+            redact_secrets,
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
@@ -29,3 +34,30 @@ def configure_logging(level: str = "INFO", *, json: bool = True, stream=None) ->
         cache_logger_on_first_use=False,
     )
     logging.basicConfig(stream=stream, level=logging.WARNING)
+    for handler in logging.getLogger().handlers:
+        if not any(isinstance(f, RedactingFilter) for f in handler.filters):
+            handler.addFilter(RedactingFilter())
+
+
+def redact_secrets(_logger: Any, _method: str, event_dict: MutableMapping[str, Any]
+                   ) -> MutableMapping[str, Any]:
+    """structlog processor: no bus URL secret in any string of a log line (the message,
+    its fields, a formatted traceback), whoever logged it and however the URL got there."""
+    for key, value in event_dict.items():
+        if isinstance(value, str):
+            event_dict[key] = redact(value)
+        elif not isinstance(value, bool | int | float | None):
+            text = str(value)
+            if redact(text) != text:  # a dict or an object that quotes a URL
+                event_dict[key] = redact(text)
+    return event_dict
+
+
+class RedactingFilter(logging.Filter):
+    """The same for stdlib logging (aiokafka's own lines): the record's final message."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if redact(message) != message:
+            record.msg, record.args = redact(message), None
+        return True

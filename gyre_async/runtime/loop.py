@@ -37,6 +37,7 @@ from gyre_async.audit.runlog import (
     write_metrics,
 )
 from gyre_async.bus.reading import read_events
+from gyre_async.config import recorded_config
 from gyre_async.core.evaluation import Evaluation, eval_trigger
 from gyre_async.core.keeper_best import final_and_best, settle_best
 from gyre_async.errors import ConfigError
@@ -216,8 +217,9 @@ async def run_loop(cfg: Config, *, bus_override: str | None = None, progress: bo
             "learner=N` (or torchrun), or set learner.world_size = 1")
     run_dir = cfg.run.run_dir
     os.makedirs(run_dir, exist_ok=True)
-    atomic_write_bytes(os.path.join(run_dir, "config.json"),
-                       msgspec.json.format(msgspec.json.encode(cfg), indent=2))
+    # secrets redacted, and readable by the run's owner only (it names hosts and stores)
+    atomic_write_bytes(os.path.join(run_dir, "config.json"), recorded_config(cfg),
+                       permissions=0o600)
     started = time.monotonic()
     shown = Progress(progress, cfg.run.run_id)
     async with open_run_bus(cfg, bus_override) as bus:

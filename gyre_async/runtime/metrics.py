@@ -19,6 +19,8 @@ Choices, and why:
 - **Lag is fetched at scrape time** on the actor's own event loop (the bus clients are not
   thread-safe) with a 2 s bound, so a scrape never reports a lag older than the scrape;
   when the loop does not answer it reports ``gyre_bus_lag -1`` like the heartbeat does.
+- **Loopback by default** (:data:`DEFAULT_HOST`): ``--metrics-host`` opens it to other
+  machines (a Prometheus outside the pod, a Kubernetes probe) when that is meant.
 - **/healthz** answers 200 only if the actor's event loop runs a callback within 5 s:
   a wedged loop (the "silent actor" of the runbook) fails the liveness probe, while a busy
   learner training in its worker thread does not.
@@ -35,7 +37,12 @@ from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from gyre_async import timing
+from gyre_async.bus.secrets import redact
 
+#: Where the endpoint listens unless told otherwise: this machine only. Metrics name the
+#: run's roles and counters, and nothing on the endpoint is authenticated; expose it to a
+#: scraper on purpose (``--metrics-host 0.0.0.0`` in a pod), not by default.
+DEFAULT_HOST = "127.0.0.1"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 NAMESPACE = "gyre"
 #: Counter families whose names do not end in ``_total``.
@@ -90,7 +97,7 @@ def render(metrics: dict[str, float]) -> str:
             continue
         name = metric_name(match["name"])
         labels = _LABEL.findall(match["labels"] or "")
-        label_text = ",".join(f'{_BAD.sub("_", k)}="{_escape(_unescape(v))}"'
+        label_text = ",".join(f'{_BAD.sub("_", k)}="{_escape(redact(_unescape(v)))}"'
                               for k, v in labels)
         sample = f"{name}{{{label_text}}}" if label_text else name
         families.setdefault(name, []).append(f"{sample} {_format_value(number)}")
@@ -148,7 +155,7 @@ class _MetricsServer(ThreadingHTTPServer):
 
 
 def start_metrics_server(port: int, collect: Callable[[], dict[str, float]], *,
-                         host: str = "0.0.0.0",
+                         host: str = DEFAULT_HOST,
                          health: Callable[[], bool] | None = None) -> _MetricsServer:
     """Serve ``GET /metrics`` (and ``/healthz``) from a daemon thread; returns the server.
 
@@ -191,7 +198,7 @@ def actor_metrics(runner, *, lag: float | None = None) -> dict[str, float]:
 
 
 def serve_actor_metrics(runner, port: int, *, lag_timeout_s: float = 2.0,
-                        host: str = "0.0.0.0") -> _MetricsServer:
+                        host: str = DEFAULT_HOST) -> _MetricsServer:
     """Start the endpoint for a runner; call from inside its running event loop.
 
     The HTTP thread asks the loop for the consumer lag (``bus.lag`` on the loop, bounded by

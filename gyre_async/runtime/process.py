@@ -109,7 +109,8 @@ def install_stop_signals(stop: Callable[[], None]) -> None:
 
 
 async def run_actor(role: str, cfg: Config, bus_override: str | None = None,
-                    name: str | None = None, metrics_port: int | None = None) -> None:
+                    name: str | None = None, metrics_port: int | None = None,
+                    metrics_host: str | None = None) -> None:
     """One role in this process until SIGTERM (``gyre actor ROLE``)."""
     actor = build_actor(role, cfg)
     async with open_run_bus(cfg, bus_override) as bus:
@@ -117,7 +118,7 @@ async def run_actor(role: str, cfg: Config, bus_override: str | None = None,
                              partitions=cfg.bus.partitions)
         install_stop_signals(runner.stop)
         if metrics_port:
-            from gyre_async.runtime.metrics import serve_actor_metrics
+            from gyre_async.runtime.metrics import DEFAULT_HOST, serve_actor_metrics
 
-            serve_actor_metrics(runner, metrics_port)
+            serve_actor_metrics(runner, metrics_port, host=metrics_host or DEFAULT_HOST)
         await runner.run()

@@ -42,21 +42,23 @@ def _temporary_name(target: Path) -> Path:
 
 
 @contextmanager
-def atomic_writer(path: PathLike, mode: str = "wb", *, encoding: str | None = None
-                  ) -> Iterator[IO[Any]]:
+def atomic_writer(path: PathLike, mode: str = "wb", *, encoding: str | None = None,
+                  permissions: int = 0o666) -> Iterator[IO[Any]]:
     """Yield a file to stream into; it replaces ``path`` only if the block ends normally.
 
     ``mode`` is ``"wb"`` or ``"w"`` (text; ``encoding`` defaults to UTF-8). Missing parent
-    folders are created.
+    folders are created. ``permissions`` (less the umask) are set when the temporary file
+    is created, so a private file (``0o600``) is never readable by others, not even for
+    an instant.
     """
     if mode not in ("wb", "w"):
         raise ValueError(f"atomic_writer mode must be 'wb' or 'w', got {mode!r}")
     target = Path(os.path.abspath(os.fspath(path)))
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = _temporary_name(target)
-    exclusive = "xb" if mode == "wb" else "x"
     try:
-        with open(tmp, exclusive, encoding=None if mode == "wb" else encoding or "utf-8") as f:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, permissions)
+        with open(fd, mode, encoding=None if mode == "wb" else encoding or "utf-8") as f:
             yield f
             f.flush()
             os.fsync(f.fileno())
@@ -67,9 +69,9 @@ def atomic_writer(path: PathLike, mode: str = "wb", *, encoding: str | None = No
     fsync_dir(target.parent)
 
 
-def atomic_write_bytes(path: PathLike, data: bytes) -> None:
+def atomic_write_bytes(path: PathLike, data: bytes, *, permissions: int = 0o666) -> None:
     """Replace ``path`` with ``data`` atomically and durably (see the module docstring)."""
-    with atomic_writer(path, "wb") as f:
+    with atomic_writer(path, "wb", permissions=permissions) as f:
         f.write(data)
 
 

@@ -21,6 +21,8 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from gyre_async.bus.secrets import redact
+
 if TYPE_CHECKING:  # runtime import would be circular (monitor imports this module)
     from gyre_async.ui.monitor import MonitorState
 
@@ -190,7 +192,7 @@ def render(state: MonitorState, *, url: str | None = None, mode: str | None = No
     s = state
     runs = s.run_id or (", ".join(sorted(s.run_ids)) if s.run_ids else "-")
     head = Text.assemble(("Gyre monitor", "bold"), f" · run {runs}",
-                         f" · {url}" if url else "",
+                         f" · {redact(url)}" if url else "",
                          f" · newest event {_clock(s.newest_ts)}")
     if wall_now is not None and s.newest_ts:
         head.append(f" ({max(0.0, wall_now - s.newest_ts):.0f}s ago)")

@@ -26,6 +26,7 @@ from gyre_async.audit.run_fold import RunFold
 from gyre_async.audit.runlog import summarize
 from gyre_async.bus import open_bus
 from gyre_async.bus.reading import read_events
+from gyre_async.bus.secrets import redact
 from schemas.topics import ALL_TOPICS, DEAD_LETTER, PROBE_IN, PROBE_OUT
 
 READ_TOPICS = tuple(t for t in ALL_TOPICS if t not in (PROBE_IN, PROBE_OUT))
@@ -234,7 +235,7 @@ def render_html(d: ReportData, figures: dict) -> str:
     now = dt.datetime.now().timestamp()
     span = (f"started {_when(d.t0)} · " if d.t0 else "") + f"report generated {_when(now)}"
     mode = run.get("mode", s.get("mode", "?"))
-    meta = f"{d.run_dir} · log {d.bus_url or 'none'} · {span}"
+    meta = f"{d.run_dir} · log {redact(d.bus_url or 'none')} · {span}"
     parts = [(f"<!doctype html><html lang='en'><head><meta charset='utf-8'>"
               f"<meta name='viewport' content='width=device-width,initial-scale=1'>"
               f"<title>{_e(title)}</title><style>{CSS}</style></head><body><header>"
@@ -259,7 +260,7 @@ def render_html(d: ReportData, figures: dict) -> str:
     topics = (_table(["topic", "records"], sorted(d.topic_counts.items()))
               if d.topic_counts else _nodata("no topics on the bus"))
     parts.append(f"<section id='events'><h2>Event log</h2>{topics}</section>")
-    cfg = (f"<details><summary>config.json</summary><pre>{_e(json.dumps(d.config, indent=2))}"
+    cfg = (f"<details><summary>config.json</summary><pre>{_e(redact(json.dumps(d.config, indent=2)))}"
            "</pre></details>" if d.config is not None else _nodata("no config.json"))
     parts.append(f"<section id='config'><h2>Config</h2>{cfg}</section>")
     parts.append("</main></body></html>\n")

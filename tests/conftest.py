@@ -17,6 +17,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "ops"))
+# as `python ops/bench/x.py` has it: the benches' shared module (_common) and their siblings
+sys.path.append(str(ROOT / "ops" / "bench"))
 
 
 def _broker(kind: str, tmp_path_factory):
@@ -84,7 +86,8 @@ class TinyConfig:
     """The tiny test config (``ops/configs/tiny.toml``) with per-test overrides.
 
     One builder for every test that runs the loop small: overrides are given per section
-    (``tiny.config(run={"run_id": "x"}, learner={"max_versions": 16})``); the run directory
+    (``tiny.config(run={"run_id": "x"}, learner={"max_versions": 16})``, merged as
+    ``ops/bench/_common.py:config_data`` merges a bench's); the run directory
     defaults to the test's own temporary folder. ``config`` gives the validated
     :class:`schemas.config.Config`, ``write`` the same thing as a TOML file (for commands
     that take a path), so no test patches the file's text by hand.
@@ -94,13 +97,10 @@ class TinyConfig:
         self.tmp_path = tmp_path
 
     def sections(self, **overrides: dict) -> dict:
-        import tomllib
+        from _common import config_data  # ops/bench/_common.py: the benches' builder too
 
-        data = tomllib.loads(TINY_TOML.read_text())
-        data["run"]["run_dir"] = str(self.tmp_path / "run")
-        for section, values in overrides.items():
-            data.setdefault(section, {}).update(values)
-        return data
+        data = config_data(TINY_TOML, run={"run_dir": str(self.tmp_path / "run")})
+        return config_data(data, **overrides)
 
     def write(self, path: Path | None = None, **overrides: dict) -> Path:
         import tomli_w

@@ -10,10 +10,10 @@ latency and the per-context cost. Last line JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import torch
+from _common import print_result
 
 from gyre_async.compose import tokenizer_for_env
 from gyre_async.envs import ACTION_WORDS
@@ -42,10 +42,9 @@ def main() -> None:
     best, median = min(times) * 1000, sorted(times)[len(times) // 2] * 1000
     print(f"act_batch: {args.batch} contexts of 56-64 tokens, up to 4 action tokens: "
           f"best {best:.1f} ms, median {median:.1f} ms on {torch.get_num_threads()} threads")
-    print(json.dumps({"bench": "act_batch", "batch": args.batch, "best_ms": round(best, 2),
-                      "median_ms": round(median, 2),
-                      "per_context_ms": round(median / args.batch, 3),
-                      "threads": torch.get_num_threads()}))
+    print_result({"bench": "act_batch", "batch": args.batch, "best_ms": round(best, 2),
+                  "median_ms": round(median, 2), "per_context_ms": round(median / args.batch, 3),
+                  "threads": torch.get_num_threads()})
 
 
 if __name__ == "__main__":

@@ -70,27 +70,21 @@ import math
 import random
 import statistics
 import sys
-import tempfile
 import time
 from collections import defaultdict
-from pathlib import Path
 
-import msgspec
+from _common import QUICKSTART, make_config, print_result, run_summary, scratch_dir
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))  # run as a script: make the packages importable
-
-from gyre_async import timing  # noqa: E402
-from gyre_async.bus import open_bus  # noqa: E402
-from gyre_async.bus.reading import read_events  # noqa: E402
-from gyre_async.config import bus_url, load_config  # noqa: E402
-from gyre_async.envs import register_env  # noqa: E402
-from gyre_async.envs.base import EnvVocabulary  # noqa: E402
-from gyre_async.envs.workshop import ACTION_WORDS, VOCAB, WorkshopEnv  # noqa: E402
-from gyre_async.runtime.logs import configure_logging  # noqa: E402
-from gyre_async.runtime.loop import run_loop  # noqa: E402
-from schemas.events import Heartbeat, PolicyVersion, TrajectoryStep  # noqa: E402
-from schemas.topics import POLICY_VERSION, TELEMETRY, TRAJECTORY_STEP  # noqa: E402
+from gyre_async import timing
+from gyre_async.bus import open_bus
+from gyre_async.bus.reading import read_events
+from gyre_async.config import bus_url, load_config
+from gyre_async.envs import register_env
+from gyre_async.envs.base import EnvVocabulary
+from gyre_async.envs.workshop import ACTION_WORDS, VOCAB, WorkshopEnv
+from gyre_async.runtime.logs import configure_logging
+from schemas.events import Heartbeat, PolicyVersion, TrajectoryStep
+from schemas.topics import POLICY_VERSION, TELEMETRY, TRAJECTORY_STEP
 
 SHORT = {"n_orders": 4, "max_steps": 64}
 SETTINGS: dict[str, dict] = {
@@ -128,17 +122,15 @@ def steps_per_round(setting: dict, num_envs: int) -> int:
 
 
 def configure(cfg, mode: str, run_dir: str, seconds: float, setting: dict):
-    r = msgspec.structs.replace
     env_config = {k: v for k, v in setting.items() if k != "env"}
-    return r(
+    return make_config(
         cfg,
-        run=r(cfg.run, run_dir=run_dir, run_id=f"bench-{mode}", mode=mode),
-        loop=r(cfg.loop, max_wall_s=seconds, target_success=0.0),
-        learner=r(cfg.learner, max_versions=0,
-                  batch_steps=steps_per_round(setting, cfg.sampler.num_envs)),
-        evaluator=r(cfg.evaluator, every_versions=10_000),  # only version 0 and the final one
-        task=r(cfg.task, env=setting["env"],
-               env_config={**cfg.task.env_config, **env_config, "latency_max_s": 5.0}),
+        run={"run_dir": run_dir, "run_id": f"bench-{mode}", "mode": mode},
+        loop={"max_wall_s": seconds, "target_success": 0.0},
+        learner={"max_versions": 0,
+                 "batch_steps": steps_per_round(setting, cfg.sampler.num_envs)},
+        evaluator={"every_versions": 10_000},  # only version 0 and the final one
+        task={"env": setting["env"], "env_config": {**env_config, "latency_max_s": 5.0}},
     )
 
 
@@ -197,11 +189,11 @@ def phases(published: dict[int, float], steps: dict[int, dict[str, float]],
 
 
 def run_mode(base, mode: str, seconds: float, setting: dict) -> dict:
-    with tempfile.TemporaryDirectory(prefix=f"gyre-{mode}-") as tmp:
+    with scratch_dir(f"gyre-{mode}-") as tmp:
         cfg = configure(base, mode, tmp, seconds, setting)
         timing.reset()
         cpu0 = time.process_time()
-        s = asyncio.run(run_loop(cfg, progress=False))
+        s = run_summary(cfg)
         cpu = time.process_time() - cpu0
         busy = {k: round(v, 1) for k, v in sorted(timing.snapshot().items())}
         out = {"steps_per_s": s["env_steps_per_s"], "success": s["final_success"],
@@ -252,7 +244,7 @@ def compare(sync: dict, asyn: dict) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default=str(ROOT / "ops/configs/quickstart.toml"))
+    p.add_argument("--config", default=str(QUICKSTART))
     p.add_argument("--seconds", type=float, default=150.0,
                    help="wall-clock budget per mode and setting (150 s holds 3-4 sync rounds "
                         "in the latency-bound and long-tail settings: the bound needs them)")
@@ -273,8 +265,8 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr, flush=True)
         table[name] = compare(runs["sync"], runs["async"])
         print(f"{name}: {json.dumps(table[name])}", file=sys.stderr, flush=True)
-    print(json.dumps({"bench": "async_vs_sync", "seconds": args.seconds, "settings": table,
-                      "speedup": table.get("latency_bound", {}).get("achieved")}))
+    print_result({"bench": "async_vs_sync", "seconds": args.seconds, "settings": table,
+                  "speedup": table.get("latency_bound", {}).get("achieved")})
     return 0
 
 

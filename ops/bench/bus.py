@@ -35,29 +35,24 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import sqlite3
 import statistics
 import sys
-import tempfile
 import threading
 import time
 import uuid
 import zlib
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))  # run as a script: make `ops` and the packages importable
+from _common import SideBySide, alternate_async, ops_script, print_result, scratch_dir
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer  # noqa: E402
-
-from gyre_async.bus import open_bus  # noqa: E402
-from gyre_async.bus.embedded import SQLITE_PRAGMAS  # noqa: E402
-from gyre_async.bus.kafka import KafkaBus  # noqa: E402
-from gyre_async.runtime.logs import configure_logging  # noqa: E402
-from schemas import encode, event_id  # noqa: E402
-from schemas.events import TrajectoryStep  # noqa: E402
+from gyre_async.bus import open_bus
+from gyre_async.bus.embedded import SQLITE_PRAGMAS
+from gyre_async.bus.kafka import KafkaBus
+from gyre_async.runtime.logs import configure_logging
+from schemas import encode, event_id
+from schemas.events import TrajectoryStep
 
 PARTITIONS = 4
 TRAJECTORIES = 64
@@ -159,7 +154,7 @@ def run_raw_sqlite(events: list, batch: int, fetch: int, layout: str = "log",
     per row beyond the fetched tuples: the cost of SQLite itself.
     """
     topic = "bench-raw"
-    with tempfile.TemporaryDirectory(prefix="gyre-bench-raw-") as tmp:
+    with scratch_dir("gyre-bench-raw-") as tmp:
         path = f"{tmp}/raw.db"
         writer, reader = _raw_connect(path), _raw_connect(path)
         writer.execute(RAW_SQLITE_LAYOUTS[layout])
@@ -297,59 +292,60 @@ async def bench(args: argparse.Namespace, kafka_url: str) -> dict:
                     "raw_aiokafka_eps": None, "kafka_vs_raw": None}
 
     if "embedded" in args.backends:
-        runs: dict[str, list[float]] = {"raw_sqlite": [], "embedded": [], "raw_sqlite_rowid": []}
-        cpu: dict[str, list[float]] = {label: [] for label in runs}
-        for r in range(args.rounds):
-            for label in runs:
-                if label == "embedded":
-                    with tempfile.TemporaryDirectory(prefix="gyre-bench-") as tmp:
-                        eps = await run_gyre(f"sqlite:///{tmp}/events.db", events,
-                                             args.batch, args.fetch)
-                else:
-                    layout = "rowid" if label.endswith("rowid") else "log"
-                    eps = await asyncio.to_thread(run_raw_sqlite, events, args.batch,
-                                                  args.fetch, layout)
-                runs[label].append(eps)
-                cpu_us = last_cpu[0] / args.events * 1e6
-                cpu[label].append(cpu_us)
-                progress(f"round {r + 1}/{args.rounds} {label}: {eps:,.0f} events/s, "
-                         f"{cpu_us:.1f} us CPU per event")
+        async def embedded() -> float:
+            with scratch_dir("gyre-bench-") as tmp:
+                return await run_gyre(f"sqlite:///{tmp}/events.db", events, args.batch,
+                                      args.fetch)
+
+        def raw_sqlite(layout: str):
+            return lambda: asyncio.to_thread(run_raw_sqlite, events, args.batch, args.fetch,
+                                             layout)
+
+        cpu = SideBySide()
+
+        def after_run(r: int, label: str, eps: float) -> None:
+            cpu_us = last_cpu[0] / args.events * 1e6
+            cpu.record(r, label, cpu_us)
+            progress(f"round {r + 1}/{args.rounds} {label}: {eps:,.0f} events/s, "
+                     f"{cpu_us:.1f} us CPU per event")
+
+        runs = await alternate_async({"raw_sqlite": raw_sqlite("log"), "embedded": embedded,
+                                      "raw_sqlite_rowid": raw_sqlite("rowid")},
+                                     args.rounds, after_run=after_run)
         # CPU per event barely moves with the machine's load; wall-clock rates do.
-        cpu_ratio = statistics.median(r / e for e, r in zip(cpu["embedded"], cpu["raw_sqlite"]))
-        ratio = statistics.median(e / r for e, r in zip(runs["embedded"], runs["raw_sqlite"]))
-        ratio_rowid = statistics.median(
-            e / r for e, r in zip(runs["embedded"], runs["raw_sqlite_rowid"]))
+        cpu_ratio = cpu.ratio("raw_sqlite", "embedded")
+        ratio = runs.ratio("embedded", "raw_sqlite")
+        ratio_rowid = runs.ratio("embedded", "raw_sqlite_rowid")
         progress(f"embedded / raw SQLite (same layout), median of per-round ratios: {ratio:.3f};"
                  f" embedded / raw SQLite rowid queue: {ratio_rowid:.3f}; raw / embedded CPU per "
                  f"event (same layout): {cpu_ratio:.3f}")
-        result.update(embedded_eps=round(statistics.median(runs["embedded"])),
-                      raw_sqlite_eps=round(statistics.median(runs["raw_sqlite"])),
+        result.update(embedded_eps=round(runs.median("embedded")),
+                      raw_sqlite_eps=round(runs.median("raw_sqlite")),
                       embedded_vs_raw_sqlite=round(ratio, 3),
                       embedded_vs_raw_sqlite_cpu=round(cpu_ratio, 3),
-                      raw_sqlite_rowid_eps=round(statistics.median(runs["raw_sqlite_rowid"])),
+                      raw_sqlite_rowid_eps=round(runs.median("raw_sqlite_rowid")),
                       embedded_vs_raw_sqlite_rowid=round(ratio_rowid, 3))
 
     if "kafka" in args.backends:
-        runs: dict[str, list[float]] = {"raw": [], "kafka": [], "raw_send": []}
-        variants = (("raw", lambda *a: run_raw(*a, mode="batch")), ("kafka", run_gyre),
-                    ("raw_send", lambda *a: run_raw(*a, mode="send")))
-        for r in range(args.rounds):
-            for label, fn in variants:
-                eps = await fn(kafka_url, events, args.batch, args.fetch)
-                runs[label].append(eps)
-                cpu_us = last_cpu[0] / args.events * 1e6
-                progress(f"round {r + 1}/{args.rounds} {label}: {eps:,.0f} events/s, "
-                         f"{cpu_us:.1f} us client CPU per event")
-        for label in runs:
-            progress(f"{label}: best {max(runs[label]):,.0f}, "
-                     f"median {statistics.median(runs[label]):,.0f} events/s")
+        def after_kafka_run(r: int, label: str, eps: float) -> None:
+            progress(f"round {r + 1}/{args.rounds} {label}: {eps:,.0f} events/s, "
+                     f"{last_cpu[0] / args.events * 1e6:.1f} us client CPU per event")
+
+        runs = await alternate_async(
+            {"raw": lambda: run_raw(kafka_url, events, args.batch, args.fetch, mode="batch"),
+             "kafka": lambda: run_gyre(kafka_url, events, args.batch, args.fetch),
+             "raw_send": lambda: run_raw(kafka_url, events, args.batch, args.fetch, mode="send")},
+            args.rounds, after_run=after_kafka_run)
+        for label in ("raw", "kafka", "raw_send"):
+            progress(f"{label}: best {runs.best(label):,.0f}, "
+                     f"median {runs.median(label):,.0f} events/s")
         # Neighbouring runs share the machine's load of the moment: compare them pairwise.
-        paired = statistics.median(k / r for k, r in zip(runs["kafka"], runs["raw"]))
+        paired = runs.ratio("kafka", "raw")
         progress(f"kafka / raw aiokafka (same batching), median of per-round ratios: "
                  f"{paired:.3f}; kafka / raw send() per message: "
-                 f"{statistics.median(k / r for k, r in zip(runs['kafka'], runs['raw_send'])):.3f}")
-        result.update(kafka_eps=round(statistics.median(runs["kafka"])),
-                      raw_aiokafka_eps=round(statistics.median(runs["raw"])),
+                 f"{runs.ratio('kafka', 'raw_send'):.3f}")
+        result.update(kafka_eps=round(runs.median("kafka")),
+                      raw_aiokafka_eps=round(runs.median("raw")),
                       kafka_vs_raw=round(paired, 3))
     return result
 
@@ -378,13 +374,11 @@ def main(argv: list[str] | None = None) -> int:
     args.backends = set(args.backends.split(","))
 
     configure_logging("WARNING", json=False)  # progress lines only, no per-join logs
-    with tempfile.TemporaryDirectory(prefix="gyre-bench-broker-") as data_dir:
+    with scratch_dir("gyre-bench-broker-") as data_dir:
         broker = None
         kafka_url = args.bus
         if kafka_url is None and "kafka" in args.backends:
-            from ops.brokers import start_broker
-
-            broker = start_broker(args.broker, data_dir=data_dir)
+            broker = ops_script("brokers").start_broker(args.broker, data_dir=data_dir)
             kafka_url = broker.url
             progress(f"started {args.broker} broker at {broker.bootstrap} (pid {broker.pid})")
         try:
@@ -393,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
             if broker is not None:
                 broker.stop()
                 progress(f"stopped {args.broker} broker")
-    print(json.dumps(result))
+    print_result(result)
     return 0
 
 

@@ -28,49 +28,44 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import shutil
 import statistics
 import sys
 import time
-from pathlib import Path
 
-import msgspec
+from _common import QUICKSTART, ROOT, finished_summary, make_config, print_result, run_summary
 
 from gyre_async.bus import open_bus
 from gyre_async.bus.reading import read_events
 from gyre_async.config import load_config
-from gyre_async.runtime.loop import run_loop
 from schemas.events import EvalResult, PolicyVersion, TrajectoryStep
 from schemas.topics import EVAL, POLICY_VERSION, TRAJECTORY_STEP
 
-ROOT = Path(__file__).resolve().parents[2]
 VARIANTS = ("outcome_only", "gae", "gyre", "gyre_no_milestones")
 
 
 def configure(base, variant: str, seed: int, run_dir: str, args):
     """The run config of one variant and seed: only credit assignment differs."""
-    r = msgspec.structs.replace
     sync = variant in ("outcome_only", "gae")
-    task_cfg = {**base.task.env_config, "n_orders": args.orders, "max_steps": args.max_steps}
     milestone = 0.0 if variant in ("outcome_only", "gyre_no_milestones") else 0.1
-    segmenter = r(base.segmenter, max_segment_steps=args.max_steps, close_on_milestone=False) \
-        if variant == "gae" else base.segmenter
+    segmenter = {"max_segment_steps": args.max_steps, "close_on_milestone": False} \
+        if variant == "gae" else {}
     credit = {"outcome_only": "outcome", "gae": "gae"}.get(variant, "fusion")
-    return r(
+    return make_config(
         base,
-        run=r(base.run, run_id=f"credit-{variant}-{seed}", run_dir=run_dir, seed=seed,
-              mode="sync" if sync else "async"),
-        loop=r(base.loop, max_env_steps=args.budget, max_wall_s=args.max_wall,
-               target_success=max(args.stop_at, args.target)),
-        task=r(base.task, env_config=task_cfg, train_seed_start=seed * 10_000_000),
-        sampler=r(base.sampler, group_size=args.group_size),
+        run={"run_id": f"credit-{variant}-{seed}", "run_dir": run_dir, "seed": seed,
+             "mode": "sync" if sync else "async"},
+        loop={"max_env_steps": args.budget, "max_wall_s": args.max_wall,
+              "target_success": max(args.stop_at, args.target)},
+        task={"env_config": {"n_orders": args.orders, "max_steps": args.max_steps},
+              "train_seed_start": seed * 10_000_000},
+        sampler={"group_size": args.group_size},
         segmenter=segmenter,
-        arbiter=r(base.arbiter, milestone_reward=milestone),
-        learner=r(base.learner, credit=credit, max_versions=0),
+        arbiter={"milestone_reward": milestone},
+        learner={"credit": credit, "max_versions": 0},
         # sync versions hold ~2-3x the steps of async ones: evaluate about as often per step
-        evaluator=r(base.evaluator, every_versions=2 if sync else 5, greedy=False),
+        evaluator={"every_versions": 2 if sync else 5, "greedy": False},
     )
 
 
@@ -155,7 +150,7 @@ def plot(curves: dict[str, list[list[tuple[int, float, int]]]], target: float, p
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default=str(ROOT / "ops/configs/quickstart.toml"))
+    p.add_argument("--config", default=str(QUICKSTART))
     p.add_argument("--out", default=str(ROOT / "runs/bench-credit"))
     p.add_argument("--budget", type=int, default=110_000, help="env steps per run")
     p.add_argument("--seeds", type=int, default=3)
@@ -196,17 +191,13 @@ def main(argv: list[str] | None = None) -> int:
         for variant in variants:
             run_dir = os.path.join(args.out, f"{variant}-s{seed}")
             started = time.monotonic()
-            finished = os.path.exists(os.path.join(run_dir, "summary.json"))
-            if args.summarize and not finished:
+            summary = finished_summary(run_dir) if args.reuse or args.summarize else None
+            if args.summarize and summary is None:
                 continue
-            if (args.reuse or args.summarize) and finished:
-                with open(os.path.join(run_dir, "summary.json")) as f:
-                    summary = json.load(f)
-            else:
+            if summary is None:
                 if os.path.exists(run_dir):
                     shutil.rmtree(run_dir)
-                cfg = configure(base, variant, seed, run_dir, args)
-                summary = asyncio.run(run_loop(cfg, progress=False))
+                summary = run_summary(configure(base, variant, seed, run_dir, args))
             points = asyncio.run(curve(run_dir))
             curves[variant].append(points)
             finals[variant].append(points[-1][1] if points else 0.0)
@@ -220,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         ratio = None
     else:  # a variant that never got there needed more than the whole budget
         ratio = round(gyre / (outcome if outcome is not None else args.budget), 3)
-    print(json.dumps({
+    print_result({
         "bench": "credit", "target": args.target, "budget_env_steps": args.budget,
         "seeds_per_variant": {v: len(curves[v]) for v in variants},
         "task": {"n_orders": args.orders, "max_steps": args.max_steps,
@@ -232,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         "steps_to_target": steps,
         "final_success": {v: round(statistics.mean(f), 3) if f else None
                           for v, f in finals.items()},
-    }))
+    })
     return 0
 
 

@@ -29,43 +29,38 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
-import json
 import os
 import shutil
 import statistics
 import sys
 import time
-from pathlib import Path
 
-import msgspec
+from _common import QUICKSTART, ROOT, finished_summary, make_config, print_result, run_summary
 from credit import curve, first_at, median_or_none  # ops/bench/credit.py (same folder)
 
 from gyre_async.bus import open_bus
 from gyre_async.bus.reading import read_events
 from gyre_async.config import load_config
-from gyre_async.runtime.loop import run_loop
 from schemas.events import EnvError, SegmentClosed, failure_of
 from schemas.topics import SEGMENT_CLOSED, TRAJECTORY_STEP
 
-ROOT = Path(__file__).resolve().parents[2]
 VARIANTS = ("masked", "zero", "fault_free")
 
 
 def configure(base, variant: str, seed: int, run_dir: str, args, max_wall: float):
     """One variant and seed: only the fault rate and ``learner.mask_failed`` differ."""
-    r = msgspec.structs.replace
     rate = 0.0 if variant == "fault_free" else args.fail_rate
-    env_config = {**base.task.env_config, "n_orders": args.orders, "max_steps": args.max_steps}
-    return r(
+    return make_config(
         base,
-        run=r(base.run, run_id=f"faults-{variant}-{seed}", run_dir=run_dir, seed=seed),
-        loop=r(base.loop, max_env_steps=args.budget_steps, max_wall_s=max_wall,
-               target_success=args.target),
-        task=r(base.task, env_config=env_config, train_seed_start=seed * 10_000_000,
-               fail_episode_rate=rate, fail_within_steps=args.fail_within),
-        sampler=r(base.sampler, group_size=args.group_size),
-        learner=r(base.learner, mask_failed=variant != "zero", max_versions=0),
-        evaluator=r(base.evaluator, greedy=False),
+        run={"run_id": f"faults-{variant}-{seed}", "run_dir": run_dir, "seed": seed},
+        loop={"max_env_steps": args.budget_steps, "max_wall_s": max_wall,
+              "target_success": args.target},
+        task={"env_config": {"n_orders": args.orders, "max_steps": args.max_steps},
+              "train_seed_start": seed * 10_000_000, "fail_episode_rate": rate,
+              "fail_within_steps": args.fail_within},
+        sampler={"group_size": args.group_size},
+        learner={"mask_failed": variant != "zero", "max_versions": 0},
+        evaluator={"greedy": False},
     )
 
 
@@ -109,7 +104,7 @@ def ratio_of_medians(num: list[int | None], den: list[int | None], budget: int) 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default=str(ROOT / "ops/configs/quickstart.toml"))
+    p.add_argument("--config", default=str(QUICKSTART))
     p.add_argument("--out", default=str(ROOT / "runs/bench-faults"))
     p.add_argument("--budget-steps", type=int, default=110_000, help="env steps per run")
     p.add_argument("--seeds", type=int, default=3)
@@ -145,17 +140,13 @@ def main(argv: list[str] | None = None) -> int:
     for seed, variant in plan:
         run_dir = os.path.join(args.out, f"{variant}-s{seed}")
         started = time.monotonic()
-        finished = os.path.exists(os.path.join(run_dir, "summary.json"))
-        if (args.reuse or args.summarize) and finished:
-            with open(os.path.join(run_dir, "summary.json")) as f:
-                summary = json.load(f)
-        elif args.summarize or not wall_for(args):
-            continue  # not run (yet): left out, not counted as a failure to reach
-        else:
+        summary = finished_summary(run_dir) if args.reuse or args.summarize else None
+        if summary is None:
+            if args.summarize or not wall_for(args):
+                continue  # not run (yet): left out, not counted as a failure to reach
             if os.path.exists(run_dir):
                 shutil.rmtree(run_dir)
-            cfg = configure(base, variant, seed, run_dir, args, wall_for(args))
-            summary = asyncio.run(run_loop(cfg, progress=False))
+            summary = run_summary(configure(base, variant, seed, run_dir, args, wall_for(args)))
         points = asyncio.run(curve(run_dir))
         seen = asyncio.run(failures(run_dir))
         reached = first_at(points, args.target)
@@ -168,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{args.target} at {reached}, curve {[(s, round(ok, 2)) for s, ok, _ in points]}",
               file=sys.stderr, flush=True)
     medians = {v: median_or_none(per_seed[v]) for v in variants}
-    print(json.dumps({
+    print_result({
         "bench": "faults", "target": args.target, "budget_env_steps": args.budget_steps,
         "fail_episode_rate": args.fail_rate, "fail_within_steps": args.fail_within,
         "task": {"n_orders": args.orders, "max_steps": args.max_steps,
@@ -183,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
                             for v in variants},
         "episodes": {v: [s["episodes"] for s in failed[v]] for v in variants},
         "env_steps_run": steps_run,  # a null in steps_to_50: never reached within these
-    }))
+    })
     return 0
 
 

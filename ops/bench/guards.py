@@ -20,20 +20,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
-import tempfile
-from pathlib import Path
 
-import msgspec
+from _common import QUICKSTART, make_config, print_result, run_summary, scratch_dir
 
 from gyre_async.audit.runlog import load_runlog
 from gyre_async.bus import open_bus
 from gyre_async.config import bus_url, load_config
-from gyre_async.runtime.loop import run_loop
 from schemas.config import RuleSpec
 
-ROOT = Path(__file__).resolve().parents[2]
 MATERIALS = {"wood", "stone", "ore", "ingot"}
 
 
@@ -47,19 +42,17 @@ def is_farming(action: str) -> bool:
 
 
 def configure(cfg, guards: bool, run_dir: str, seconds: float, args):
-    r = msgspec.structs.replace
-    env = {**cfg.task.env_config, "n_orders": args.orders, "max_steps": args.max_steps,
-           "farm_feedback": args.farm_feedback}
-    return r(
+    return make_config(
         cfg,
-        run=r(cfg.run, run_dir=run_dir, run_id=f"guards-{'on' if guards else 'off'}",
-              seed=args.seed),
-        loop=r(cfg.loop, max_wall_s=seconds, target_success=0.0),
-        task=r(cfg.task, env_config=env),
-        learner=r(cfg.learner, max_versions=0),
-        evaluator=r(cfg.evaluator, every_versions=10_000),  # v0 and the final version only
-        arbiter=r(cfg.arbiter, rules=[RuleSpec(name="env_feedback", weight=1.0)],
-                  guards=r(cfg.arbiter.guards, enabled=guards)),
+        run={"run_dir": run_dir, "run_id": f"guards-{'on' if guards else 'off'}",
+             "seed": args.seed},
+        loop={"max_wall_s": seconds, "target_success": 0.0},
+        task={"env_config": {"n_orders": args.orders, "max_steps": args.max_steps,
+                             "farm_feedback": args.farm_feedback}},
+        learner={"max_versions": 0},
+        evaluator={"every_versions": 10_000},  # v0 and the final version only
+        arbiter={"rules": [RuleSpec(name="env_feedback", weight=1.0)],
+                 "guards": {"enabled": guards}},
     )
 
 
@@ -93,7 +86,7 @@ async def figures(cfg, summary: dict) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default=str(ROOT / "ops/configs/quickstart.toml"))
+    p.add_argument("--config", default=str(QUICKSTART))
     p.add_argument("--seconds", type=float, default=600.0, help="wall-clock budget per run")
     p.add_argument("--quick", action="store_true", help="150 s per run (a smoke check)")
     p.add_argument("--orders", type=int, default=4, help="workshop orders per episode")
@@ -107,9 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     base = load_config(args.config)
     results = {}
     for name, guards in [(n, n == "on") for n in args.runs.split(",")]:
-        with tempfile.TemporaryDirectory(prefix=f"gyre-guards-{name}-") as tmp:
+        with scratch_dir(f"gyre-guards-{name}-") as tmp:
             cfg = configure(base, guards, tmp, seconds, args)
-            summary = asyncio.run(run_loop(cfg, progress=False))
+            summary = run_summary(cfg)
             results[name] = asyncio.run(figures(cfg, summary))
         first, last = results[name]["first"], results[name]["last"]
         print(f"guards {name:>3}: reward/step {first['reward_per_step']:.4f} -> "
@@ -120,9 +113,9 @@ def main(argv: list[str] | None = None) -> int:
               f"(v{results[name]['final_version']}, {results[name]['env_steps']} env steps), "
               f"vetoed segments in the last fifth {last['vetoed_segments']}/{last['segments']}",
               file=sys.stderr)
-    print(json.dumps({"bench": "guards", "seconds_per_run": seconds,
-                      "config": {"orders": args.orders, "max_steps": args.max_steps,
-                                 "farm_feedback": args.farm_feedback}, **results}))
+    print_result({"bench": "guards", "seconds_per_run": seconds,
+                  "config": {"orders": args.orders, "max_steps": args.max_steps,
+                             "farm_feedback": args.farm_feedback}, **results})
     return 0
 
 

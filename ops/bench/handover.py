@@ -37,27 +37,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import json
 import sys
-import tempfile
 import time
-import tomllib
 from pathlib import Path
 
-import tomli_w
+from _common import TINY, make_config, ops_script, print_result, scratch_dir
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "ops"))
-
-from gyre_async.audit.invariants import check_run, read_run  # noqa: E402
-from gyre_async.bus import open_bus  # noqa: E402
-from gyre_async.config import load_config  # noqa: E402
-from gyre_async.runtime.actor import ActorRunner  # noqa: E402
-from gyre_async.runtime.logs import configure_logging  # noqa: E402
-from gyre_async.runtime.topology import build_actor  # noqa: E402
-from schemas.events import SegmentClosed  # noqa: E402
-from schemas.topics import ALL_TOPICS, SEGMENT_CLOSED  # noqa: E402
+from gyre_async.audit.invariants import check_run, read_run
+from gyre_async.bus import open_bus
+from gyre_async.runtime.actor import ActorRunner
+from gyre_async.runtime.logs import configure_logging
+from gyre_async.runtime.topology import build_actor
+from schemas.events import SegmentClosed
+from schemas.topics import ALL_TOPICS, SEGMENT_CLOSED
 
 PARTITIONS = 4
 
@@ -67,14 +59,9 @@ def tiny_config(run_dir: Path, run_id: str, write_delay_s: float = 1.0):
     Closed segments wait up to ``write_delay_s`` for their batched write (the tiny config
     waits 0.25 s): a longer wait widens the window in which a partition moves while a
     segment closed from it is unwritten."""
-    data = tomllib.loads((ROOT / "ops" / "configs" / "tiny.toml").read_text())
-    data["run"].update(run_dir=str(run_dir), run_id=run_id)
-    data.setdefault("learner", {})["max_versions"] = 0
-    data.setdefault("bus", {})["partitions"] = PARTITIONS
-    data.setdefault("segmenter", {}).update(write_delay_s=write_delay_s, write_batch_segments=1024)
-    path = run_dir.parent / "handover.toml"
-    path.write_text(tomli_w.dumps(data))
-    return load_config(path)
+    return make_config(TINY, run={"run_dir": str(run_dir), "run_id": run_id},
+                       learner={"max_versions": 0}, bus={"partitions": PARTITIONS},
+                       segmenter={"write_delay_s": write_delay_s, "write_batch_segments": 1024})
 
 
 class Cycles:
@@ -167,13 +154,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--cycles must be at least 1")
     configure_logging("WARNING")
     broker = None
-    with tempfile.TemporaryDirectory(prefix="gyre-handover-") as tmp:
+    with scratch_dir("gyre-handover-") as tmp:
         if args.bus == "embedded":
             url = f"sqlite:///{tmp}/events.db"
         elif args.bus == "kafka":
-            from brokers import start_broker
-
-            broker = start_broker("tansu", data_dir=f"{tmp}/tansu")
+            broker = ops_script("brokers").start_broker("tansu", data_dir=f"{tmp}/tansu")
             url = f"kafka://{broker.host}:{broker.port}"
         else:
             url = args.bus
@@ -190,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
             if broker is not None:
                 broker.stop()
     result["bus"] = "embedded" if args.bus == "embedded" else "kafka"
-    print(json.dumps(result))
+    print_result(result)
     return 0 if result["lost"] == result["duplicated_segments"] == result["corrupt"] == 0 else 1
 
 

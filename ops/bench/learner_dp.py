@@ -24,19 +24,16 @@ Last line: {"bench": "learner_dp", "updates_per_s": {"1": x, "2": x},
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
-import tempfile
 import time
-from pathlib import Path
 
 import msgspec
 import torch
 import torch.multiprocessing as mp
+from _common import QUICKSTART, make_config, print_result, scratch_dir
 
 from gyre_async.compose import build_policy, run_vocabulary
-from gyre_async.config import load_config
 from gyre_async.core.learner import LearnerCore, TrainResult
 from gyre_async.core.learner_dp import LearnerGroup, Membership, run_follower
 from gyre_async.core.segmenter import ClosedSegment, segment_arrays
@@ -46,19 +43,16 @@ from gyre_async.storage.segments import SegmentStore
 from schemas import event_id
 from schemas.events import Scored, TrajectoryStep
 
-ROOT = Path(__file__).resolve().parents[2]
 REF = CheckpointRef(address="file:///bench/v.safetensors", sha256="0" * 64, version=0)
 SEGMENT_STEPS = 32
 
 
 def configure(args, run_dir: str, world_size: int):
-    r = msgspec.structs.replace
-    cfg = load_config(args.config)
-    return r(cfg, run=r(cfg.run, run_dir=run_dir, run_id="learner-dp"),
-             learner=r(cfg.learner, max_versions=0, batch_steps=args.batch_steps,
-                       world_size=world_size,
-                       rendezvous=f"file://{run_dir}/rendezvous-{world_size}"),
-             elite=r(cfg.elite, capacity=0))
+    return make_config(args.config, run={"run_dir": run_dir, "run_id": "learner-dp"},
+                       learner={"max_versions": 0, "batch_steps": args.batch_steps,
+                                "world_size": world_size,
+                                "rendezvous": f"file://{run_dir}/rendezvous-{world_size}"},
+                       elite={"capacity": 0})
 
 
 def synthetic_batch(cfg, store: SegmentStore, steps: int, seed: int) -> list[Scored]:
@@ -166,13 +160,13 @@ def run(world_size: int, args, run_dir: str, batch) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--config", default=str(ROOT / "ops/configs/quickstart.toml"))
+    p.add_argument("--config", default=str(QUICKSTART))
     p.add_argument("--batch-steps", type=int, default=1024)
     p.add_argument("--updates", type=int, default=4, help="timed updates per run")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
-    with tempfile.TemporaryDirectory(prefix="gyre-learner-dp-") as run_dir:
+    with scratch_dir("gyre-learner-dp-") as run_dir:
         cfg = configure(args, run_dir, 1)
         store = SegmentStore(f"{run_dir}/segments.zarr", durable=False)
         batch = synthetic_batch(cfg, store, args.batch_steps, args.seed)
@@ -186,15 +180,15 @@ def main() -> None:
 
     first = diffs(0)
 
-    print(json.dumps({"bench": "learner_dp", "updates_per_s": rates,
-                      "max_abs_weight_diff": max(first.values()),
-                      "max_abs_weight_diff_at": max(first, key=first.__getitem__),
-                      "max_abs_weight_diff_per_update": [
-                          max(diffs(u).values()) for u in range(args.updates + 1)],
-                      "speedup_2": round(rates["2"] / rates["1"], 3),
-                      "batch_steps": args.batch_steps, "updates": args.updates,
-                      "threads_per_process": args.threads, "cpus": os.cpu_count(),
-                      "backend": "gloo"}))
+    print_result({"bench": "learner_dp", "updates_per_s": rates,
+                  "max_abs_weight_diff": max(first.values()),
+                  "max_abs_weight_diff_at": max(first, key=first.__getitem__),
+                  "max_abs_weight_diff_per_update": [
+                      max(diffs(u).values()) for u in range(args.updates + 1)],
+                  "speedup_2": round(rates["2"] / rates["1"], 3),
+                  "batch_steps": args.batch_steps, "updates": args.updates,
+                  "threads_per_process": args.threads, "cpus": os.cpu_count(),
+                  "backend": "gloo"})
 
 
 if __name__ == "__main__":

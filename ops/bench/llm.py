@@ -68,27 +68,21 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-import msgspec
+from _common import ROOT, alternate, make_config, memory_kb, print_result, run_summary
+from _common import wilson_interval as wilson
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))  # run as a script: make the packages importable
-
-from gyre_async.bus import open_bus  # noqa: E402
-from gyre_async.bus.reading import read_events  # noqa: E402
-from gyre_async.compose import build_policy, build_tokenizer  # noqa: E402
-from gyre_async.core.evaluation import (  # noqa: E402
-    evaluate,
-    validation_policy,
-)
-from gyre_async.core.evaluation import wilson_interval as wilson  # noqa: E402
-from gyre_async.core.rollout import PolicyHolder  # noqa: E402
-from gyre_async.policy.context import ContextBuilder  # noqa: E402
-from gyre_async.runtime.loop import run_loop  # noqa: E402
-from schemas.config import Config  # noqa: E402
-from schemas.events import PolicyVersion, TrajectoryStep  # noqa: E402
-from schemas.topics import POLICY_VERSION, TRAJECTORY_STEP  # noqa: E402
+from gyre_async.bus import open_bus
+from gyre_async.bus.reading import read_events
+from gyre_async.compose import build_policy, build_tokenizer
+from gyre_async.core.evaluation import evaluate, validation_policy
+from gyre_async.core.rollout import PolicyHolder
+from gyre_async.policy.context import ContextBuilder
+from schemas.config import Config
+from schemas.events import PolicyVersion, TrajectoryStep
+from schemas.topics import POLICY_VERSION, TRAJECTORY_STEP
 
 #: alternated (Gyre, raw) learner-speed rounds in the comparison; the best of each is kept
 LEARNER_ROUNDS = 2
@@ -100,16 +94,13 @@ TEMPERATURE = 0.7
 def peak_rss_mb() -> float:
     """This process's peak resident memory (``VmHWM``: unlike ``ru_maxrss``, not inherited
     from the parent across fork+exec)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return round(int(line.split()[1]) / 1024, 1)
+    peak_kb, _ = memory_kb()
+    if peak_kb:
+        return round(peak_kb / 1024, 1)
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
 
 
 def bench_config(args: argparse.Namespace) -> Config:
-    s = msgspec.structs.replace
-    cfg = Config()
     common = {"max_steps": args.max_steps, "admissible": args.admissible}
     if args.env == "twx":  # TextWorldExpress: train fold for training, dev fold for validation
         train = {**common, "game": args.twx_game, "params": args.twx_params}
@@ -118,28 +109,27 @@ def bench_config(args: argparse.Namespace) -> Config:
         train = {**common, "recipe": args.recipe, "take": args.take, "go": args.go,
                  "games": args.train_games}
         valid = {"split": "valid", "games": args.eval_episodes}
-    return s(
-        cfg,
-        run=s(cfg.run, run_id="bench-llm", run_dir=os.path.join(args.out, "run"), seed=args.seed,
-              mode="async"),
-        task=s(cfg.task, env=args.env, env_config=train),
-        policy=s(cfg.policy, backend=args.sampler, model="smollm2", context_tokens=args.context_tokens,
-                 history_turns=args.history_turns, max_action_tokens=args.max_action_tokens,
-                 lora=s(cfg.policy.lora, rank=args.lora_rank, alpha=2.0 * args.lora_rank),
-                 vllm_lora=args.vllm_lora),
-        sampler=s(cfg.sampler, num_envs=args.num_envs, temperature=args.temperature,
-                  group_size=1, step_timeout_s=300.0),
-        segmenter=s(cfg.segmenter, max_segment_steps=args.max_steps,
-                    cap_ends_episode=args.cap == "terminal"),
-        learner=s(cfg.learner, batch_steps=args.batch_steps, minibatch_steps=args.minibatch_steps,
-                  epochs=args.epochs, learning_rate=args.learning_rate, max_versions=0,
-                  micro_steps=args.micro_steps, entropy_coef=args.entropy_coef),
-        evaluator=s(cfg.evaluator, every_versions=args.eval_every,
-                    greedy=args.decoding == "greedy", temperature=args.temperature,
-                    seeds=list(range(args.eval_episodes)),
-                    engine="sampler" if args.eval_engine == "vllm" else "learner",
-                    env_config=valid),
-        loop=s(cfg.loop, max_wall_s=args.minutes * 60, max_staleness=2),
+    return make_config(
+        run={"run_id": "bench-llm", "run_dir": os.path.join(args.out, "run"), "seed": args.seed,
+             "mode": "async"},
+        task={"env": args.env, "env_config": train},
+        policy={"backend": args.sampler, "model": "smollm2",
+                "context_tokens": args.context_tokens, "history_turns": args.history_turns,
+                "max_action_tokens": args.max_action_tokens,
+                "lora": {"rank": args.lora_rank, "alpha": 2.0 * args.lora_rank},
+                "vllm_lora": args.vllm_lora},
+        sampler={"num_envs": args.num_envs, "temperature": args.temperature, "group_size": 1,
+                 "step_timeout_s": 300.0},
+        segmenter={"max_segment_steps": args.max_steps,
+                   "cap_ends_episode": args.cap == "terminal"},
+        learner={"batch_steps": args.batch_steps, "minibatch_steps": args.minibatch_steps,
+                 "epochs": args.epochs, "learning_rate": args.learning_rate, "max_versions": 0,
+                 "micro_steps": args.micro_steps, "entropy_coef": args.entropy_coef},
+        evaluator={"every_versions": args.eval_every, "greedy": args.decoding == "greedy",
+                   "temperature": args.temperature, "seeds": list(range(args.eval_episodes)),
+                   "engine": "sampler" if args.eval_engine == "vllm" else "learner",
+                   "env_config": valid},
+        loop={"max_wall_s": args.minutes * 60, "max_staleness": 2},
     )
 
 
@@ -324,14 +314,12 @@ def vllm_acting(cfg: Config, contexts) -> dict:
         outs = engine.llm.generate(prompts, raw_params, use_tqdm=False)
         return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - started)
 
-    gyre(), raw()
-    rounds = [(gyre(), raw()) for _ in range(LEARNER_ROUNDS)]
-    best_gyre, best_raw = max(g for g, _ in rounds), max(r for _, r in rounds)
+    side = alternate({"gyre": gyre, "raw": raw}, LEARNER_ROUNDS, warmup=True)
     engine.close()
-    return {"vllm_acting_tokens_per_s": round(best_gyre, 2),
-            "vllm_generate_tokens_per_s": round(best_raw, 2),
-            "vllm_vs_raw": round(best_gyre / best_raw, 3),
-            "vllm_rounds": [[round(g, 2), round(r, 2)] for g, r in rounds]}
+    return {"vllm_acting_tokens_per_s": round(side.best("gyre"), 2),
+            "vllm_generate_tokens_per_s": round(side.best("raw"), 2),
+            "vllm_vs_raw": round(side.best("gyre") / side.best("raw"), 3),
+            "vllm_rounds": side.table(2)}
 
 
 def task_name(args: argparse.Namespace) -> str:
@@ -429,11 +417,10 @@ def warm_start(cfg: Config, args: argparse.Namespace) -> dict:
     published as the run's version 0 (what ``gyre warmstart`` does)."""
     from gyre_async.offline.warmstart import warmstart
 
-    s = msgspec.structs.replace
-    cfg = s(cfg, warmstart=s(cfg.warmstart, gold_episodes=args.warmstart_demos,
-                             epochs=args.warmstart_epochs,
-                             learning_rate=args.warmstart_learning_rate,
-                             batch_steps=args.minibatch_steps))
+    cfg = make_config(cfg, warmstart={"gold_episodes": args.warmstart_demos,
+                                      "epochs": args.warmstart_epochs,
+                                      "learning_rate": args.warmstart_learning_rate,
+                                      "batch_steps": args.minibatch_steps})
     done = asyncio.run(warmstart(cfg))
     return {k.removeprefix("bc/"): round(v, 4) for k, v in done.items() if k.startswith("bc/")}
 
@@ -451,10 +438,11 @@ def compare(cfg: Config, args: argparse.Namespace) -> dict:
                                          cfg.learner.batch_steps)
     # Alternated rounds, the best of each kept: the first update in a process also pays for
     # the allocator's warm-up, which would otherwise land on whichever side runs first.
-    rounds = [(gyre_update_tokens_per_s(cfg, policy, contexts, actions, logps),
-               raw_update_tokens_per_s(cfg, model_dir, contexts, actions))
-              for _ in range(LEARNER_ROUNDS)]
-    gyre_learn, raw_learn = max(g for g, _ in rounds), max(r for _, r in rounds)
+    learning = alternate(
+        {"gyre": lambda: gyre_update_tokens_per_s(cfg, policy, contexts, actions, logps),
+         "raw": lambda: raw_update_tokens_per_s(cfg, model_dir, contexts, actions)},
+        LEARNER_ROUNDS)
+    gyre_learn, raw_learn = learning.best("gyre"), learning.best("raw")
     gyre_act, raw_act = acting_tokens_per_s(cfg, policy, model_dir,
                                             contexts[:cfg.sampler.num_envs])
     vllm_figures = {}
@@ -464,7 +452,7 @@ def compare(cfg: Config, args: argparse.Namespace) -> dict:
     return {**vllm_figures, "learner_tokens_per_s": round(gyre_learn, 1),
             "raw_learner_tokens_per_s": round(raw_learn, 1),
             "learner_vs_raw": round(gyre_learn / raw_learn, 3),
-            "learner_rounds": [[round(g, 1), round(r, 1)] for g, r in rounds],
+            "learner_rounds": learning.table(1),
             "gyre_acting_tokens_per_s": round(gyre_act, 2),
             "raw_generate_tokens_per_s": round(raw_act, 2),
             "torch_vs_raw_generate": round(gyre_act / raw_act, 3),
@@ -507,7 +495,7 @@ def heldout_figures(cfg: Config, args: argparse.Namespace) -> dict:
     return held
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/bench-llm", help="run directory, PNG, results")
@@ -589,103 +577,134 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sampler", default="hf", choices=["hf", "vllm"],
                    help="the sampler's acting engine: torch (hf), or vLLM (needs vllm: run "
                         "through ops/bench/llm_vllm.sh); learner and validation use torch")
-    args = p.parse_args(argv)
+    return p
+
+
+def with_bounded_arenas(argv: list[str]) -> None:
+    """Start again with ``MALLOC_ARENA_MAX=2`` unless it is set (``os.execve``: this process
+    is replaced). Every role's torch work runs on its own worker thread, and glibc gives each
+    thread an arena that keeps what it freed: with LLM activations (GBs per update) the run
+    grew to 24 GB and was OOM-killed. Two arenas bound that; set before start-up."""
     if "MALLOC_ARENA_MAX" not in os.environ:
-        # Every role's torch work runs on its own worker thread, and glibc gives each thread
-        # an arena that keeps what it freed: with LLM activations (GBs per update) the run
-        # grew to 24 GB and was OOM-killed. Two arenas bound that; set before start-up.
-        os.execve(sys.executable, [sys.executable, __file__, *(argv if argv is not None
-                                                               else sys.argv[1:])],
+        os.execve(sys.executable, [sys.executable, __file__, *argv],
                   {**os.environ, "MALLOC_ARENA_MAX": "2"})
-    if args.minutes > 75:
-        p.error("--minutes: the issue's budget is at most 75 minutes (warm-start + online RL)")
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    cfg = bench_config(args)
-    if args.compare:  # to a file: engines may print to stdout as they shut down
-        figures = compare(cfg, args)
-        with open(os.path.join(args.out, "compare.json"), "w") as f:
-            json.dump(figures, f, indent=2)
-        print(json.dumps(figures))
-        return 0
-    if args.eval_engine == "vllm" and args.sampler != "vllm":
-        raise SystemExit("--eval-engine vllm plays validation with the sampler's vLLM engine: "
-                         "add --sampler vllm (and run through ops/bench/llm_vllm.sh)")
-    prepare_games(args)
-    base = base_model(cfg, args)
-    print(f"(a) base model on {base['episodes']} unseen games: {base}", flush=True)
-    if args.base_only:
-        print(json.dumps({"bench": "llm", "base_only": True, "base_success": base["success"],
-                          "base_score": base["score"], "eval_episodes": base["episodes"],
-                          "settings": vars(args)}))
-        return 0
+
+
+def comparisons_job(cfg: Config, args: argparse.Namespace) -> int:
+    """``--compare``, the child process: the speed comparisons, to ``<out>/compare.json``
+    (to a file: engines may print to stdout as they shut down)."""
+    print_result(compare(cfg, args), os.path.join(args.out, "compare.json"))
+    return 0
+
+
+def base_only_result(base: dict, args: argparse.Namespace) -> dict:
+    """``--base-only``: (a) alone."""
+    return {"bench": "llm", "base_only": True, "base_success": base["success"],
+            "base_score": base["score"], "eval_episodes": base["episodes"],
+            "settings": vars(args)}
+
+
+@dataclass
+class Run:
+    """What (b) and (c) left: the loop's summary, the warm-start's figures and times."""
+
+    summary: dict
+    warm: dict | None  # (b)'s figures; None without a warm start
+    warm_s: float
+    online_s: float
+    rss_mb: float | None  # peak memory of this process through the run, when known
+
+
+def train(cfg: Config, args: argparse.Namespace) -> Run:
+    """(b) the warm start, then (c) online RL for the rest of ``--minutes``, in this process."""
+    if os.path.exists(cfg.run.run_dir):
+        raise SystemExit(f"{cfg.run.run_dir} exists: the bench starts a fresh run (use a "
+                         "new --out, remove it, or --report to report the finished run)")
+    started = time.monotonic()
+    warm = warm_start(cfg, args) if args.warmstart_demos else None
+    warm_s = time.monotonic() - started
+    with open(os.path.join(args.out, "warm.json"), "w") as f:
+        json.dump({"warm": warm, "seconds": round(warm_s, 1)}, f)
+    if warm is not None:
+        print(f"(b) warm-start on {args.warmstart_demos} walkthroughs in {warm_s:.0f} s: "
+              f"{warm}", flush=True)
+    online_budget = args.minutes * 60 - warm_s
+    if online_budget < 60:
+        raise SystemExit(f"warm-start took {warm_s:.0f} s of the {args.minutes} minutes: "
+                         "no time left for online RL")
+    summary = run_summary(make_config(cfg, loop={"max_wall_s": online_budget}))
+    online_s = time.monotonic() - started - warm_s
+    return Run(summary, warm, warm_s, online_s, peak_rss_mb())
+
+
+def finished_run(cfg: Config, args: argparse.Namespace) -> Run:
+    """``--report``: what the finished run in ``<out>/run`` left, instead of running it again."""
+    summary_path = os.path.join(cfg.run.run_dir, "summary.json")
+    if not os.path.exists(summary_path):
+        raise SystemExit(f"--report: {summary_path} does not exist (no finished run there)")
+    with open(summary_path) as f:
+        summary = json.load(f)
+    kept = {}
     warm_path = os.path.join(args.out, "warm.json")
-    if args.report:  # the run is done: read what it left instead of running it again
-        summary_path = os.path.join(cfg.run.run_dir, "summary.json")
-        if not os.path.exists(summary_path):
-            raise SystemExit(f"--report: {summary_path} does not exist (no finished run there)")
-        with open(summary_path) as f:
-            summary = json.load(f)
-        kept = {}
-        if os.path.exists(warm_path):
-            with open(warm_path) as f:
-                kept = json.load(f)
-        warm, warm_s = kept.get("warm"), kept.get("seconds", 0.0)
-        online_s, run_rss_mb = summary["wall_seconds"], None  # not known afterwards...
-        previous = os.path.join(args.out, "result.json")
-        if os.path.exists(previous):  # ...unless the run's own report recorded it
-            with open(previous) as f:
-                run_rss_mb = next(iter(json.load(f).get("peak_rss_mb", {None: None}).values()))
-    else:
-        if os.path.exists(cfg.run.run_dir):
-            raise SystemExit(f"{cfg.run.run_dir} exists: the bench starts a fresh run (use a "
-                             "new --out, remove it, or --report to report the finished run)")
-        started = time.monotonic()
-        warm = warm_start(cfg, args) if args.warmstart_demos else None
-        warm_s = time.monotonic() - started
-        with open(warm_path, "w") as f:
-            json.dump({"warm": warm, "seconds": round(warm_s, 1)}, f)
-        if warm is not None:
-            print(f"(b) warm-start on {args.warmstart_demos} walkthroughs in {warm_s:.0f} s: "
-                  f"{warm}", flush=True)
-        online_budget = args.minutes * 60 - warm_s
-        if online_budget < 60:
-            raise SystemExit(f"warm-start took {warm_s:.0f} s of the {args.minutes} minutes: "
-                             "no time left for online RL")
-        cfg = msgspec.structs.replace(cfg, loop=msgspec.structs.replace(
-            cfg.loop, max_wall_s=online_budget))
-        summary = asyncio.run(run_loop(cfg, progress=False))
-        online_s = time.monotonic() - started - warm_s
-        run_rss_mb = peak_rss_mb()
-    start = next(({"success": e["success"], "score": e["score"]} for e in summary["evals"]
-                  if e["version"] == 0), None)
-    # (c) counts the versions online RL made: a keeper rollback republishes old weights
+    if os.path.exists(warm_path):
+        with open(warm_path) as f:
+            kept = json.load(f)
+    rss_mb = None  # not known afterwards...
+    previous = os.path.join(args.out, "result.json")
+    if os.path.exists(previous):  # ...unless the run's own report recorded it
+        with open(previous) as f:
+            rss_mb = next(iter(json.load(f).get("peak_rss_mb", {None: None}).values()))
+    return Run(summary, kept.get("warm"), kept.get("seconds", 0.0), summary["wall_seconds"],
+               rss_mb)
+
+
+@dataclass
+class InLoop:
+    """The in-loop validation's figures: (c) counts the versions online RL made (a keeper
+    rollback republishes old weights: those are ``restored``, not counted)."""
+
+    reasons: dict[int, str]  # why each version was published
+    start: dict | None  # version 0's figures
+    curve: list[dict]  # the update versions' evaluations
+    restored: list[dict]
+    best: dict | None
+    final: dict | None
+    ci: tuple[float, float]  # 95% Wilson interval of the best version's success
+
+
+def in_loop_figures(cfg: Config, summary: dict, episodes: int) -> InLoop:
     reasons = asyncio.run(version_reasons(f"sqlite:///{cfg.run.run_dir}/events.db",
                                           cfg.run.run_id))
-    curve = [e for e in summary["evals"] if e["version"] > 0
-             and reasons.get(e["version"]) == "update"]
-    restored = [{**e, "reason": reasons.get(e["version"])} for e in summary["evals"]
+    evals = summary["evals"]
+    start = next(({"success": e["success"], "score": e["score"]} for e in evals
+                  if e["version"] == 0), None)
+    curve = [e for e in evals if e["version"] > 0 and reasons.get(e["version"]) == "update"]
+    restored = [{**e, "reason": reasons.get(e["version"])} for e in evals
                 if e["version"] > 0 and reasons.get(e["version"]) != "update"]
     best = max(curve, key=lambda e: (e["success"], e["score"])) if curve else None
     final = curve[-1] if curve else None
-    n = base["episodes"]
-    low, high = wilson(round(best["success"] * n), n) if best else (0.0, 0.0)
-    print(f"(c) online RL: {summary['env_steps']} env steps, {summary['policy_versions']} "
-          f"versions in {online_s:.0f} s; version 0 {start}, final {final}, best {best} "
-          f"(95% CI {low:.3f}-{high:.3f})", flush=True)
+    ci = wilson(round(best["success"] * episodes), episodes) if best else (0.0, 0.0)
+    return InLoop(reasons, start, curve, restored, best, final, ci)
+
+
+def comparisons(args: argparse.Namespace, argv: list[str]) -> dict:
+    """The side-by-side speed figures, measured in a child process (``--compare``) on the
+    finished run, or those ``<out>/compare.json`` kept (``--report --keep-comparisons``)."""
     compare_path = os.path.join(args.out, "compare.json")
     if not (args.report and args.keep_comparisons and os.path.exists(compare_path)):
-        child_argv = [a for a in (argv if argv is not None else sys.argv[1:])
-                      if a not in ("--report", "--keep-comparisons")]
+        child_argv = [a for a in argv if a not in ("--report", "--keep-comparisons")]
         child = subprocess.run([sys.executable, __file__, *child_argv, "--compare"],
                                capture_output=True, text=True)
         if child.returncode != 0:
             raise SystemExit(f"the comparison process failed:\n{child.stderr[-3000:]}")
     with open(compare_path) as f:
-        cmp = json.load(f)
-    held = heldout_figures(cfg, args) if args.test_episodes else None
-    png = os.path.join(args.out, "llm.png")
-    plot(curve, base, png, start if warm is not None else None, restored,
-         task_name(args), start if warm is None else None)
+        return json.load(f)
+
+
+def result_of(args: argparse.Namespace, base: dict, run: Run, loop: InLoop, cmp: dict,
+              held: dict | None, png: str) -> dict:
+    """The bench's JSON: the headline figures, held-out ones in front when measured."""
+    summary, warm, start, best, final = run.summary, run.warm, loop.start, loop.best, loop.final
     validated_by = "vLLM" if args.eval_engine == "vllm" else "torch"
     vllm_note = (f"the sampler acted through vLLM, the learner trained through torch, "
                  f"validation through {validated_by}"
@@ -696,15 +715,15 @@ def main(argv: list[str] | None = None) -> int:
         "final_success": final["success"] if final else None,
         "best_success": best["success"] if best else None,
         "best_version": best["version"] if best else None,
-        "best_success_ci_low": round(low, 4), "base_score": base["score"],
-        "best_score": best["score"] if best else None, "eval_episodes": n,
+        "best_success_ci_low": round(loop.ci[0], 4), "base_score": base["score"],
+        "best_score": best["score"] if best else None, "eval_episodes": base["episodes"],
         "warmstart_success": start["success"] if warm is not None and start else None,
         "warmstart_score": start["score"] if warm is not None and start else None,
-        "warmstart": warm, "warmstart_seconds": round(warm_s, 1),
-        "evals": [{**e, "reason": reasons.get(e["version"])} for e in summary["evals"]],
-        "not_counted": restored,
+        "warmstart": warm, "warmstart_seconds": round(run.warm_s, 1),
+        "evals": [{**e, "reason": loop.reasons.get(e["version"])} for e in summary["evals"]],
+        "not_counted": loop.restored,
         "env_steps": summary["env_steps"], "policy_versions": summary["policy_versions"],
-        "online_seconds": round(online_s, 1),
+        "online_seconds": round(run.online_s, 1),
         "learner_tokens_per_s": cmp["learner_tokens_per_s"],
         "raw_learner_tokens_per_s": cmp["raw_learner_tokens_per_s"],
         "learner_vs_raw": cmp["learner_vs_raw"], "learner_rounds": cmp["learner_rounds"],
@@ -717,7 +736,7 @@ def main(argv: list[str] | None = None) -> int:
         "vllm_vs_raw": cmp.get("vllm_vs_raw"), "vllm_note": vllm_note,
         "publish_to_act_s": {"torch": cmp["publish_to_act_s"] if args.sampler == "hf" else None,
                              "vllm": cmp["publish_to_act_s"] if args.sampler == "vllm" else None},
-        "peak_rss_mb": {"base eval, warm-start, gyre run (every role, one process)": run_rss_mb,
+        "peak_rss_mb": {"base eval, warm-start, gyre run (every role, one process)": run.rss_mb,
                         "comparisons (separate process)": cmp["peak_rss_mb"]},
         "png": png, "settings": vars(args),
     }
@@ -728,9 +747,43 @@ def main(argv: list[str] | None = None) -> int:
                       p_best_above_base=held["p_best_above_base"],
                       selection=held["selection"], heldout_png=held["png"],
                       figures_from="held-out test games (ops/bench/llm_heldout.py)")
-    with open(os.path.join(args.out, "result.json"), "w") as f:
-        json.dump(result, f, indent=2)
-    print(json.dumps(result))
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    p = parser()
+    args = p.parse_args(argv)
+    with_bounded_arenas(argv)
+    if args.minutes > 75:
+        p.error("--minutes: the issue's budget is at most 75 minutes (warm-start + online RL)")
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    cfg = bench_config(args)
+    if args.compare:
+        return comparisons_job(cfg, args)
+    if args.eval_engine == "vllm" and args.sampler != "vllm":
+        raise SystemExit("--eval-engine vllm plays validation with the sampler's vLLM engine: "
+                         "add --sampler vllm (and run through ops/bench/llm_vllm.sh)")
+    prepare_games(args)
+    base = base_model(cfg, args)
+    print(f"(a) base model on {base['episodes']} unseen games: {base}", flush=True)
+    if args.base_only:
+        print_result(base_only_result(base, args))
+        return 0
+    run = finished_run(cfg, args) if args.report else train(cfg, args)
+    loop = in_loop_figures(cfg, run.summary, base["episodes"])
+    low, high = loop.ci
+    print(f"(c) online RL: {run.summary['env_steps']} env steps, "
+          f"{run.summary['policy_versions']} versions in {run.online_s:.0f} s; version 0 "
+          f"{loop.start}, final {loop.final}, best {loop.best} (95% CI {low:.3f}-{high:.3f})",
+          flush=True)
+    cmp = comparisons(args, argv)
+    held = heldout_figures(cfg, args) if args.test_episodes else None
+    png = os.path.join(args.out, "llm.png")
+    plot(loop.curve, base, png, loop.start if run.warm is not None else None, loop.restored,
+         task_name(args), loop.start if run.warm is None else None)
+    print_result(result_of(args, base, run, loop, cmp, held, png),
+                 os.path.join(args.out, "result.json"))
     return 0
 
 

@@ -31,31 +31,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import os
-import sys
 import time
-from pathlib import Path
 
-import msgspec
+from _common import make_config, print_result
+from _common import wilson_interval as wilson
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))  # run as a script: make the packages importable
-
-from gyre_async.bus import open_bus  # noqa: E402
-from gyre_async.bus.reading import read_events  # noqa: E402
-from gyre_async.compose import build_tokenizer  # noqa: E402
-from gyre_async.core.evaluation import (  # noqa: E402
-    evaluate,
-    validation_policy,
-)
-from gyre_async.core.evaluation import wilson_interval as wilson  # noqa: E402
-from gyre_async.core.rollout import PolicyHolder  # noqa: E402
-from gyre_async.policy.context import ContextBuilder  # noqa: E402
-from schemas.config import Config  # noqa: E402
-from schemas.events import PolicyVersion  # noqa: E402
-from schemas.topics import POLICY_VERSION  # noqa: E402
+from gyre_async.bus import open_bus
+from gyre_async.bus.reading import read_events
+from gyre_async.compose import build_tokenizer
+from gyre_async.core.evaluation import evaluate, validation_policy
+from gyre_async.core.rollout import PolicyHolder
+from gyre_async.policy.context import ContextBuilder
+from schemas.config import Config
+from schemas.events import PolicyVersion
+from schemas.topics import POLICY_VERSION
 
 
 def two_proportion_p(a: int, b: int, n: int) -> float:
@@ -98,11 +89,9 @@ def split_config(cfg: Config, split: str, episodes: int, engine: str,
                  overrides: dict[str, str | int | float] | None = None) -> Config:
     """The run's validation settings on ``split``; ``overrides`` change the games themselves
     (e.g. a larger map than the run trained on: a transfer check, not the run's task)."""
-    s = msgspec.structs.replace
-    env_config = {**cfg.evaluator.env_config, **(overrides or {}), "split": split}
-    return s(cfg, evaluator=s(cfg.evaluator, seeds=list(range(episodes)),
-                              env_config=env_config,
-                              engine="sampler" if engine == "vllm" else "learner"))
+    return make_config(cfg, evaluator={"seeds": list(range(episodes)),
+                                       "env_config": {**(overrides or {}), "split": split},
+                                       "engine": "sampler" if engine == "vllm" else "learner"})
 
 
 def env_overrides(pairs: list[str]) -> dict[str, str | int | float]:
@@ -169,8 +158,7 @@ def plot(selection: list[dict], test: dict, path: str, title: str) -> None:
 
 
 async def heldout(args: argparse.Namespace) -> dict:
-    with open(os.path.join(args.run_dir, "config.json"), "rb") as f:
-        cfg = msgspec.json.decode(f.read(), type=Config)
+    cfg = make_config(os.path.join(args.run_dir, "config.json"))
     if args.engine == "vllm" and cfg.policy.backend != "vllm":
         raise SystemExit(f"--engine vllm: the run's policy.backend is {cfg.policy.backend!r}, "
                          "not 'vllm' (use --engine torch)")
@@ -254,11 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.every < 1 or args.dev_episodes < 1 or args.test_episodes < 1:
         p.error("--every, --dev-episodes and --test-episodes must be at least 1")
-    result = asyncio.run(heldout(args))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
-    print(json.dumps(result))
+    print_result(asyncio.run(heldout(args)), args.out or None)
     return 0
 
 

@@ -25,32 +25,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as dt
-import json
 import os
 import shutil
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import msgspec
+from _common import CONFIGS, ROOT, finished_summary, make_config, print_result, run_summary
+from credit import configure, curve, first_at, median_or_none, plot, record_run  # its sibling
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))  # run as a script: make the packages importable
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # and credit.py, its sibling
-
-from credit import (  # noqa: E402
-    configure,
-    curve,
-    first_at,
-    median_or_none,
-    plot,
-    record_run,
-)
-
-from gyre_async.config import load_config  # noqa: E402
-from gyre_async.envs.workshop import SETTINGS  # noqa: E402
-from gyre_async.runtime.loop import run_loop  # noqa: E402
+from gyre_async.config import load_config
+from gyre_async.envs.workshop import SETTINGS
 
 VARIANTS = ("gyre", "outcome_only", "gae")
 
@@ -71,17 +57,16 @@ def long_config(base, variant: str, seed: int, run_dir: str, args):
     An evaluation plays 32 episodes of up to the cap, as many steps as a sync version: every
     ``--sync-eval-every`` sync version and every ``--eval-every`` async one (~1k steps each).
     """
-    cfg = configure(base, variant, seed, run_dir, args)
     sync = variant in ("outcome_only", "gae")
     every = args.sync_eval_every if sync else args.eval_every
-    return msgspec.structs.replace(
-        cfg, evaluator=msgspec.structs.replace(cfg.evaluator, every_versions=every))
+    return make_config(configure(base, variant, seed, run_dir, args),
+                       evaluator={"every_versions": every})
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default=str(ROOT / "ops/configs/long300.toml"))
+    p.add_argument("--config", default=str(CONFIGS / "long300.toml"))
     p.add_argument("--out", default=str(ROOT / "runs/bench-long"))
     p.add_argument("--budget", type=int, default=100_000, help="env steps per run")
     p.add_argument("--seeds", type=int, default=3)
@@ -118,14 +103,11 @@ def main(argv: list[str] | None = None) -> int:
     plan = [(seed, v) for seed in seeds for v in variants]
     for i, (seed, variant) in enumerate(plan):
         run_dir = os.path.join(args.out, f"{variant}-s{seed}")
-        summary_path = os.path.join(run_dir, "summary.json")
         started = time.monotonic()
-        if args.summarize and not os.path.exists(summary_path):
+        summary = finished_summary(run_dir) if args.reuse or args.summarize else None
+        if args.summarize and summary is None:
             continue
-        if (args.reuse or args.summarize) and os.path.exists(summary_path):
-            with open(summary_path) as f:
-                summary = json.load(f)
-        else:
+        if summary is None:
             wall = cap
             if deadline is not None:
                 wall = min(cap, (deadline - time.monotonic()) / (len(plan) - i))
@@ -135,8 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             if os.path.exists(run_dir):
                 shutil.rmtree(run_dir)
             run_args = argparse.Namespace(**{**vars(args), "max_wall": wall})
-            summary = asyncio.run(run_loop(long_config(base, variant, seed, run_dir, run_args),
-                                           progress=False))
+            summary = run_summary(long_config(base, variant, seed, run_dir, run_args))
         points = asyncio.run(curve(run_dir))
         curves[variant].append(points)
         steps_run[variant].append(int(summary["env_steps"]))
@@ -146,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     per_seed = {v: [first_at(c, args.target) for c in curves[v]] for v in variants}
     gyre_all = bool(per_seed.get("gyre")) and all(x is not None for x in per_seed["gyre"])
     outcome_none = all(x is None for x in per_seed.get("outcome_only", []))
-    print(json.dumps({
+    print_result({
         "bench": "long", "env": base.task.env, "target": args.target,
         "budget_env_steps": args.budget, "task": {**setting, "max_steps": args.max_steps},
         "seeds_per_variant": {v: len(curves[v]) for v in variants},
@@ -159,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
                           if any(curves[v]) else None for v in variants},
         "target_met": gyre_all and outcome_none and bool(per_seed.get("outcome_only")),
         "plot": png,
-    }))
+    })
     return 0
 
 

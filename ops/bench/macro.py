@@ -23,34 +23,26 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-import msgspec
+from _common import QUICKSTART, make_config, print_result, run_summary, scratch_dir
 
 from gyre_async.bus import open_bus
 from gyre_async.bus.reading import read_events
 from gyre_async.config import bus_url, load_config
 from gyre_async.envs.macros import env_steps_of
-from gyre_async.runtime.loop import run_loop
 from schemas.events import EvalResult, TrajectoryStep
 from schemas.topics import EVAL, TRAJECTORY_STEP
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 def configure(cfg, arm: str, run_dir: str, quick: bool, seconds: float, max_env_steps: int):
-    r = msgspec.structs.replace
-    env_config = dict(cfg.task.env_config)
-    loop = r(cfg.loop, max_wall_s=seconds, max_env_steps=max_env_steps)
-    if quick:
-        env_config["n_orders"] = 3
-    macros = r(cfg.macros, builtin="workshop" if arm == "macro" else "")
-    return r(cfg, run=r(cfg.run, run_dir=run_dir, run_id=f"bench-macro-{arm}"), loop=loop,
-             task=r(cfg.task, env_config=env_config), macros=macros)
+    return make_config(
+        cfg, run={"run_dir": run_dir, "run_id": f"bench-macro-{arm}"},
+        loop={"max_wall_s": seconds, "max_env_steps": max_env_steps},
+        task={"env_config": {"n_orders": 3} if quick else {}},
+        macros={"builtin": "workshop" if arm == "macro" else ""})
 
 
 async def measure(cfg) -> dict:
@@ -82,7 +74,7 @@ async def measure(cfg) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default=str(ROOT / "ops/configs/quickstart.toml"))
+    p.add_argument("--config", default=str(QUICKSTART))
     p.add_argument("--quick", action="store_true",
                    help="3 orders per episode, 20k env steps per arm (a smoke run)")
     p.add_argument("--max-env-steps", type=int, default=0,
@@ -96,12 +88,12 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"{args.config} sets no loop.target_success to measure against")
     results = {}
     for arm in args.arms.split(","):
-        with tempfile.TemporaryDirectory(prefix=f"gyre-macro-{arm}-") as tmp:
-            run_dir = str(Path(args.keep) / arm) if args.keep else tmp
+        keep = Path(args.keep) / arm if args.keep else None
+        with scratch_dir(f"gyre-macro-{arm}-", keep) as run_dir:
             budget = args.max_env_steps or (20_000 if args.quick else 120_000)
             cfg = configure(base, arm, run_dir, args.quick, args.seconds, budget)
             started = time.monotonic()
-            asyncio.run(run_loop(cfg, progress=False))
+            run_summary(cfg)
             res = asyncio.run(measure(cfg))
             res["wall_s"] = round(time.monotonic() - started, 1)
         results[arm] = res
@@ -112,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     m, q = results.get("macro", {}), results.get("primitive", {})
     ratio = (round(m["steps_to_target"] / q["steps_to_target"], 3)
              if m.get("reached") and q.get("reached") else None)
-    print(json.dumps({
+    print_result({
         "bench": "macro",
         "steps_to_target": {"macro": m.get("steps_to_target"),
                             "primitive": q.get("steps_to_target")},
@@ -123,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
                                 "primitive": q.get("decisions_to_target")},
         "macro_over_primitive": ratio,
         "quick": args.quick,
-    }))
+    })
     return 0
 
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import os
 import signal
@@ -34,22 +33,15 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))  # run as a script: make the packages importable
+from _common import ROOT, make_config, memory_kb, print_result, write_config
 
-from gyre_async.bus import open_bus  # noqa: E402
-from gyre_async.bus.reading import read_events  # noqa: E402
-from gyre_async.runtime.launcher import read_status  # noqa: E402
-from schemas.events import Heartbeat, PolicyVersion, TrajectoryStep  # noqa: E402
-from schemas.topics import (  # noqa: E402
-    POLICY_VERSION,
-    SCORED,
-    SEGMENT_CLOSED,
-    TELEMETRY,
-    TRAJECTORY_STEP,
-)
+from gyre_async.bus import open_bus
+from gyre_async.bus.reading import read_events
+from gyre_async.runtime.launcher import read_status
+from schemas.config import Config
+from schemas.events import Heartbeat, PolicyVersion, TrajectoryStep
+from schemas.topics import POLICY_VERSION, SCORED, SEGMENT_CLOSED, TELEMETRY, TRAJECTORY_STEP
 
 ROLES = ("sampler", "segmenter", "arbiter", "learner")
 #: what each downstream role consumes (its lag on these is 0 once it has seen everything)
@@ -58,57 +50,19 @@ MARKS = (0.1, 0.5, 1.0)
 RUN_ID = "memory"
 
 
-def config_text(run_dir: str, steps: int, args) -> str:
-    """The run's TOML: the quickstart's policy, one slot, one episode of ``steps`` steps."""
-    return f"""
-[run]
-run_id = "{RUN_ID}"
-run_dir = "{run_dir}"
-seed = 0
-mode = "async"
-
-[loop]
-max_staleness = 2
-
-[task]
-env = "workshop"
-env_config = {{ n_orders = 1000, max_steps = {steps} }}
-
-[policy]
-d_model = 64
-n_layers = 2
-n_heads = 4
-context_tokens = {args.context_tokens}
-history_turns = {args.history_turns}
-
-[sampler]
-num_envs = 1
-group_size = 1
-max_episodes = 1
-
-[segmenter]
-max_segment_steps = {args.segment_steps}
-
-[learner]
-batch_steps = {args.batch_steps}
-minibatch_steps = {args.minibatch_steps}
-epochs = 1
-max_versions = 0
-"""
-
-
-def memory_kb(pid: int) -> tuple[int, int]:
-    """(VmHWM, VmRSS) of a live process in kB; (0, 0) once it is gone."""
-    fields = {}
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key in ("VmHWM", "VmRSS"):
-                    fields[key] = int(value.split()[0])
-    except (FileNotFoundError, ProcessLookupError):
-        return 0, 0
-    return fields.get("VmHWM", 0), fields.get("VmRSS", 0)
+def memory_config(run_dir: str, steps: int, args) -> Config:
+    """The run: the quickstart's policy, one slot, one episode of ``steps`` steps."""
+    return make_config(
+        run={"run_id": RUN_ID, "run_dir": run_dir, "seed": 0, "mode": "async"},
+        loop={"max_staleness": 2},
+        task={"env": "workshop", "env_config": {"n_orders": 1000, "max_steps": steps}},
+        policy={"d_model": 64, "n_layers": 2, "n_heads": 4,
+                "context_tokens": args.context_tokens, "history_turns": args.history_turns},
+        sampler={"num_envs": 1, "group_size": 1, "max_episodes": 1},
+        segmenter={"max_segment_steps": args.segment_steps},
+        learner={"batch_steps": args.batch_steps, "minibatch_steps": args.minibatch_steps,
+                 "epochs": 1, "max_versions": 0},
+    )
 
 
 async def progress(bus, learner_seen: dict[str, int]) -> tuple[int, dict[str, int]]:
@@ -231,9 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     steps = math.ceil(args.tokens / (args.fill * args.context_tokens))
     run_dir = os.path.abspath(args.out or tempfile.mkdtemp(prefix="gyre-memory-"))
     os.makedirs(run_dir, exist_ok=True)
-    config = os.path.join(run_dir, "memory.toml")
-    with open(config, "w") as f:
-        f.write(config_text(run_dir, steps, args))
+    config = write_config(memory_config(run_dir, steps, args), os.path.join(run_dir, "memory.toml"))
     status_file = os.path.join(run_dir, "launch-status.json")
     log = open(os.path.join(run_dir, "launch.log"), "w")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
@@ -254,14 +206,14 @@ def main(argv: list[str] | None = None) -> int:
     def growth(series: dict[str, list[float]]) -> dict[str, float]:
         return {r: round(v[-1] / v[0] - 1, 4) if v[0] else math.inf for r, v in series.items()}
 
-    print(json.dumps({
+    print_result({
         "bench": "memory", "tokens": tokens, "steps": logged_steps,
         "context_tokens_max": longest, "rss_mb": peak_mb,
         "max_growth": max(growth(peak_mb).values()), "growth": growth(peak_mb),
         "rss_now_mb": now_mb, "max_growth_now": max(growth(now_mb).values()),
         "lags_at_marks": {f"{m:.0%}": lags_at[m] for m in MARKS},
         "wall_s": round(wall, 1), "run_dir": run_dir,
-    }))
+    })
     return 0
 
 

@@ -15,39 +15,25 @@ Last line: {"bench": "overhead", "framework_share": ..., "framework_share_exclud
 from __future__ import annotations
 
 import argparse
-import asyncio
-import json
 import sys
-import tempfile
-from pathlib import Path
 
-import msgspec
+from _common import QUICKSTART, make_config, print_result, run_summary, scratch_dir
 
 from gyre_async import timing
-from gyre_async.config import load_config
-from gyre_async.runtime.loop import run_loop
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default=str(ROOT / "ops/configs/quickstart.toml"))
+    p.add_argument("--config", default=str(QUICKSTART))
     p.add_argument("--seconds", type=float, default=60.0, help="wall-clock budget of the run")
     args = p.parse_args(argv)
-    cfg = load_config(args.config)
-    with tempfile.TemporaryDirectory(prefix="gyre-overhead-") as tmp:
-        cfg = msgspec.structs.replace(
-            cfg,
-            run=msgspec.structs.replace(cfg.run, run_dir=tmp, run_id="overhead"),
-            loop=msgspec.structs.replace(cfg.loop, max_wall_s=args.seconds),
-            learner=msgspec.structs.replace(cfg.learner, max_versions=0),
-            task=msgspec.structs.replace(cfg.task, env_config={**cfg.task.env_config,
-                                                               "latency_mean_s": 0.0}),
-        )
+    with scratch_dir("gyre-overhead-") as tmp:
+        cfg = make_config(args.config, run={"run_dir": tmp, "run_id": "overhead"},
+                          loop={"max_wall_s": args.seconds}, learner={"max_versions": 0},
+                          task={"env_config": {"latency_mean_s": 0.0}})
         timing.reset()
-        summary = asyncio.run(run_loop(cfg, progress=False))
+        summary = run_summary(cfg)
     seconds = timing.snapshot()
     share = timing.framework_share(seconds)
     strict = timing.framework_share({k: v for k, v in seconds.items() if k != "env"})
@@ -55,10 +41,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{summary['policy_versions']} policy versions", file=sys.stderr)
     for k, v in sorted(seconds.items(), key=lambda kv: -kv[1]):
         print(f"  {k:<8} {v:8.2f} s busy", file=sys.stderr)
-    print(json.dumps({"bench": "overhead", "framework_share": round(share, 4),
-                      "framework_share_excluding_env": round(strict, 4),
-                      "busy_seconds": {k: round(v, 2) for k, v in seconds.items()},
-                      "env_steps": summary["env_steps"]}))
+    print_result({"bench": "overhead", "framework_share": round(share, 4),
+                  "framework_share_excluding_env": round(strict, 4),
+                  "busy_seconds": {k: round(v, 2) for k, v in seconds.items()},
+                  "env_steps": summary["env_steps"]})
     return 0
 
 

@@ -19,19 +19,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import time
 from pathlib import Path
 
-import msgspec
+from _common import make_config, print_result, run_summary
 
 from gyre_async.compose import build_policy, build_tokenizer
 from gyre_async.core.evaluation import evaluate
 from gyre_async.core.rollout import PolicyHolder
 from gyre_async.offline.warmstart import publish_warmstart, warm_policy
 from gyre_async.policy.context import ContextBuilder
-from gyre_async.runtime.loop import run_loop
 from schemas.config import Config
 
 BENCHES = {
@@ -48,23 +46,20 @@ BENCHES = {
 
 
 def bench_config(name: str, spec: dict, run_dir: str, minutes: float, admissible: str) -> Config:
-    s = msgspec.structs.replace
-    cfg = Config()
-    env_config = {**spec["train"], "admissible": admissible, "vocab_episodes": 2}
-    return s(
-        cfg,
-        run=s(cfg.run, run_id=f"realenv-{name}", run_dir=run_dir, seed=1),
-        task=s(cfg.task, env=spec["env"], env_config=env_config),
-        policy=s(cfg.policy, d_model=48, n_layers=2, n_heads=4, context_tokens=192,
-                 history_turns=1, max_action_tokens=spec["max_action_tokens"]),
-        sampler=s(cfg.sampler, num_envs=8, step_timeout_s=120.0),
-        learner=s(cfg.learner, batch_steps=256, minibatch_steps=128, epochs=2,
-                  learning_rate=1e-4, max_versions=0),
-        evaluator=s(cfg.evaluator, every_versions=4, seeds=list(range(spec["dev_seeds"])),
-                    env_config=spec["dev"]),
-        loop=s(cfg.loop, max_wall_s=minutes * 60),
-        warmstart=s(cfg.warmstart, gold_episodes=spec["gold"], epochs=40, learning_rate=3e-3,
-                    batch_steps=32),
+    return make_config(
+        run={"run_id": f"realenv-{name}", "run_dir": run_dir, "seed": 1},
+        task={"env": spec["env"],
+              "env_config": {**spec["train"], "admissible": admissible, "vocab_episodes": 2}},
+        policy={"d_model": 48, "n_layers": 2, "n_heads": 4, "context_tokens": 192,
+                "history_turns": 1, "max_action_tokens": spec["max_action_tokens"]},
+        sampler={"num_envs": 8, "step_timeout_s": 120.0},
+        learner={"batch_steps": 256, "minibatch_steps": 128, "epochs": 2,
+                 "learning_rate": 1e-4, "max_versions": 0},
+        evaluator={"every_versions": 4, "seeds": list(range(spec["dev_seeds"])),
+                   "env_config": spec["dev"]},
+        loop={"max_wall_s": minutes * 60},
+        warmstart={"gold_episodes": spec["gold"], "epochs": 40, "learning_rate": 3e-3,
+                   "batch_steps": 32},
     )
 
 
@@ -88,7 +83,7 @@ def run_one(name: str, spec: dict, out: str, minutes: float, admissible: str) ->
           f"{stats['bc/demonstrations']:.0f} gold episodes, nll {stats['bc/nll']:.3f}): "
           f"{warmed}", flush=True)
     asyncio.run(publish_warmstart(cfg, warm, stats))
-    summary = asyncio.run(run_loop(cfg, progress=False))
+    summary = run_summary(cfg)
     final = summary["evals"][-1] if summary["evals"] else {}
     online = {"score": final.get("score", float("nan")),
               "success": final.get("success", float("nan")),
@@ -141,9 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     plot(results, png)
     met = sum(r["online_beats_warmstart"] for r in results.values())
     print(f"online RL beats warm-start on dev score in {met} of {len(results)}; curves: {png}")
-    print(json.dumps({"bench": "realenv", "results": {
+    print_result({"bench": "realenv", "results": {
         k: {kk: vv for kk, vv in v.items() if kk != "curve"} for k, v in results.items()},
-        "targets_met": met, "png": png}))
+        "targets_met": met, "png": png})
     return 0
 
 

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import signal
 import statistics
@@ -52,28 +51,22 @@ import uuid
 from collections import defaultdict
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "ops"))
+from _common import TINY, make_config, ops_script, print_result, write_config
 
-from chaos import Chaos, audit, write_config  # noqa: E402 - after sys.path
-
-from gyre_async.runtime.launcher import wait_until  # noqa: E402
+from gyre_async.runtime.launcher import wait_until
+from schemas.config import Config
 
 ROLE = "sampler"
 
 
-def long_config(run_dir: Path, run_id: str, args) -> Path:
-    """``ops/chaos.py``'s config with a workshop whose episodes all run to the step cap."""
-    cfg = write_config(run_dir, run_id, args.batch_steps)
-    text = cfg.read_text()
-    old = "env_config = { n_orders = 6, max_steps = 80 }"
-    if old not in text:
-        raise SystemExit(f"ops/configs/tiny.toml changed: no line {old!r} to replace")
-    text = text.replace(old, f"env_config = {{ n_orders = {args.orders}, "
-                             f"max_steps = {args.max_steps} }}")
-    cfg.write_text(text)
-    return cfg
+def long_config(run_dir: Path, run_id: str, args) -> Config:
+    """``ops/chaos.py``'s config (the tiny loop, no version or wall-clock budget) with a
+    workshop whose episodes all run to the step cap."""
+    return make_config(TINY, run={"run_dir": str(run_dir), "run_id": run_id},
+                       loop={"max_wall_s": 0}, learner={"max_versions": 0,
+                                                        "batch_steps": args.batch_steps},
+                       task={"env_config": {"n_orders": args.orders,
+                                            "max_steps": args.max_steps}})
 
 
 async def read_trajectories(url: str, run_id: str):
@@ -165,11 +158,10 @@ def main(argv: list[str] | None = None) -> int:
     run_id = f"resume-{uuid.uuid4().hex[:8]}"
     run_dir = work / "run"
     url = f"sqlite:///{run_dir}/events.db"
-    cfg = long_config(run_dir, run_id, args)
-    from gyre_async.config import load_config
-
-    max_staleness = load_config(cfg).loop.max_staleness
-    chaos = Chaos(args, run_dir, url, run_id)
+    config = long_config(run_dir, run_id, args)
+    cfg = write_config(config, run_dir.parent / "chaos.toml")
+    max_staleness = config.loop.max_staleness
+    chaos = ops_script("chaos").Chaos(args, run_dir, url, run_id)
     rng = random.Random(args.seed)
     error = None
     started = time.monotonic()
@@ -204,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
                 proc.kill()
                 proc.wait()
     steps, errors = asyncio.run(read_trajectories(url, run_id))
-    report = asyncio.run(audit(url, run_id, run_dir, max_staleness))
+    report = asyncio.run(ops_script("chaos").audit(url, run_id, run_dir, max_staleness))
     print(report.describe(), file=sys.stderr)
     kills = [k["t"] for k in chaos.kills]
     result = {"bench": "resume", "kills": len(kills), **measure(steps, errors, kills),
@@ -219,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
           and result["step_gaps"] == 0)
     headline = ("bench", "kills", "episodes", "completed_fraction", "rebuilt_episodes",
                 "observation_mismatches", "resume_seconds_median", "lost", "duplicated")
-    print(json.dumps({**{k: result[k] for k in headline}, **result}))
+    print_result({**{k: result[k] for k in headline}, **result})
     return 0 if ok else 1
 
 

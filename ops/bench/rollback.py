@@ -22,46 +22,32 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import tempfile
+
+from _common import make_config, print_result, run_summary, scratch_dir
 
 from gyre_async.bus import open_bus
 from gyre_async.bus.reading import read_events
 from gyre_async.core.keeper_rules import judge
-from gyre_async.runtime.loop import run_loop
 from gyre_async.runtime.topology import RUN_ROLES
-from schemas.config import (
-    Config,
-    EvaluatorConfig,
-    KeeperConfig,
-    LearnerConfig,
-    LoopSection,
-    PolicySection,
-    RunSection,
-    SamplerConfig,
-    SegmenterConfig,
-    TaskSection,
-)
+from schemas.config import Config, KeeperConfig
 from schemas.events import EvalResult, PolicyVersion, Rollback
 from schemas.topics import EVAL, KEEPER, POLICY_VERSION
 
 
 def drill_config(run_dir: str, name: str, versions: int, poison_at: int, factor: float,
                  seed: int) -> Config:
-    return Config(
-        run=RunSection(run_id=f"rollback-{name}", run_dir=run_dir, seed=seed),
-        loop=LoopSection(max_staleness=2, max_wall_s=900),
-        task=TaskSection(env="workshop", env_config={"n_orders": 1, "max_steps": 40}),
-        policy=PolicySection(d_model=32, n_layers=1, n_heads=2, context_tokens=64,
-                             history_turns=0),
-        sampler=SamplerConfig(num_envs=16),
-        segmenter=SegmenterConfig(max_segment_steps=16),
-        learner=LearnerConfig(batch_steps=512, minibatch_steps=128, epochs=2,
-                              learning_rate=0.003, max_versions=versions,
-                              fault_lr_spike_version=poison_at,
-                              fault_lr_spike_factor=factor),
-        evaluator=EvaluatorConfig(every_versions=2, episodes=32, greedy=False),
-        keeper=KeeperConfig(),
+    return make_config(
+        run={"run_id": f"rollback-{name}", "run_dir": run_dir, "seed": seed},
+        loop={"max_staleness": 2, "max_wall_s": 900},
+        task={"env": "workshop", "env_config": {"n_orders": 1, "max_steps": 40}},
+        policy={"d_model": 32, "n_layers": 1, "n_heads": 2, "context_tokens": 64,
+                "history_turns": 0},
+        sampler={"num_envs": 16},
+        segmenter={"max_segment_steps": 16},
+        learner={"batch_steps": 512, "minibatch_steps": 128, "epochs": 2,
+                 "learning_rate": 0.003, "max_versions": versions,
+                 "fault_lr_spike_version": poison_at, "fault_lr_spike_factor": factor},
+        evaluator={"every_versions": 2, "episodes": 32, "greedy": False},
     )
 
 
@@ -75,7 +61,7 @@ async def read_log(run_dir: str):
 
 
 def run(cfg: Config, roles: tuple[str, ...]) -> list:
-    asyncio.run(run_loop(cfg, progress=False, roles=roles))
+    run_summary(cfg, roles)
     return asyncio.run(read_log(cfg.run.run_dir))
 
 
@@ -91,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     logs = {}
     for name, roles in (("keeper", RUN_ROLES),
                         ("no-keeper", tuple(r for r in RUN_ROLES if r != "keeper"))):
-        with tempfile.TemporaryDirectory(prefix=f"gyre-rollback-{name}-") as tmp:
+        with scratch_dir(f"gyre-rollback-{name}-") as tmp:
             cfg = drill_config(tmp, name, args.versions, args.poison_at, args.factor, args.seed)
             logs[name] = run(cfg, roles)
         evals = [e for e in logs[name] if isinstance(e, EvalResult)]
@@ -123,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
                                        KeeperConfig().min_regressed_metrics).regressed)
             if recovered else None,
         })
-    print(json.dumps(out))
+    print_result(out)
     return 0
 
 

@@ -31,51 +31,43 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-import msgspec
 import psutil
-import tomli_w
+from _common import (
+    QUICKSTART,
+    ROOT,
+    make_config,
+    ops_script,
+    print_result,
+    scratch_dir,
+    write_config,
+)
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "ops"))
-
-from brokers import start_broker  # noqa: E402
-
-from gyre_async.bus import open_bus  # noqa: E402
-from gyre_async.bus.reading import read_events  # noqa: E402
-from gyre_async.compose import build_policy, build_tokenizer, save_weights  # noqa: E402
-from gyre_async.config import load_config  # noqa: E402
-from gyre_async.runtime.logs import configure_logging  # noqa: E402
-from gyre_async.storage.checkpoints import CheckpointStore  # noqa: E402
-from schemas import encode, event_id  # noqa: E402
-from schemas.events import PolicyVersion, TrajectoryStep  # noqa: E402
-from schemas.topics import ALL_TOPICS, POLICY_VERSION, TRAJECTORY_STEP  # noqa: E402
+from gyre_async.bus import open_bus
+from gyre_async.bus.reading import read_events
+from gyre_async.compose import build_policy, build_tokenizer, save_weights
+from gyre_async.config import load_config
+from gyre_async.runtime.logs import configure_logging
+from gyre_async.storage.checkpoints import CheckpointStore
+from schemas import encode, event_id
+from schemas.events import PolicyVersion, TrajectoryStep
+from schemas.topics import ALL_TOPICS, POLICY_VERSION, TRAJECTORY_STEP
 
 GATE_OPEN = 10**12  # consumed steps announced by the stand-in: the gate never closes
 
 
-def write_config(args, run_dir: Path, run_id: str) -> Path:
+def scaleout_config(args, run_dir: Path, run_id: str) -> Path:
     """The base config with the bench's task, run and sampler settings, as a TOML file."""
-    cfg = load_config(args.config)
-    cfg = msgspec.structs.replace(
-        cfg,
-        run=msgspec.structs.replace(cfg.run, run_id=run_id, run_dir=str(run_dir)),
-        task=msgspec.structs.replace(cfg.task, env_config={
-            **cfg.task.env_config, "latency_mean_s": args.latency,
-            "latency_sigma": args.sigma, "latency_max_s": 5.0}),
-        sampler=msgspec.structs.replace(cfg.sampler, num_envs=args.num_envs),
-    )
-    path = run_dir / "scaleout.toml"
-    path.write_text(tomli_w.dumps(msgspec.to_builtins(cfg)))
-    return path
+    cfg = make_config(args.config, run={"run_id": run_id, "run_dir": str(run_dir)},
+                      task={"env_config": {"latency_mean_s": args.latency,
+                                           "latency_sigma": args.sigma, "latency_max_s": 5.0}},
+                      sampler={"num_envs": args.num_envs})
+    return write_config(cfg, run_dir / "scaleout.toml")
 
 
 async def publish_version_zero(url: str, config: Path) -> None:
@@ -144,11 +136,11 @@ def measure(args, count: int, work: Path) -> dict:
     run_id = f"scaleout-{count}"
     run_dir = work / run_id
     run_dir.mkdir(parents=True)
-    broker = start_broker("noida", data_dir=str(run_dir / "noida"),
-                          log_path=str(run_dir / "noida.log"))
+    broker = ops_script("brokers").start_broker("noida", data_dir=str(run_dir / "noida"),
+                                                log_path=str(run_dir / "noida.log"))
     procs: list[subprocess.Popen] = []
     try:
-        config = write_config(args, run_dir, run_id)
+        config = scaleout_config(args, run_dir, run_id)
         asyncio.run(publish_version_zero(broker.url, config))
         env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                "OMP_NUM_THREADS": str(args.torch_threads)}
@@ -196,7 +188,7 @@ def measure(args, count: int, work: Path) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default=str(ROOT / "ops/configs/quickstart.toml"))
+    p.add_argument("--config", default=str(QUICKSTART))
     p.add_argument("--counts", default="1,2,4,8", help="sampler process counts")
     p.add_argument("--seconds", type=float, default=60.0, help="measured wall time per count")
     p.add_argument("--num-envs", type=int, default=16, help="environments per sampler")
@@ -209,11 +201,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     configure_logging("WARNING")
     counts = [int(c) for c in args.counts.split(",")]
-    with tempfile.TemporaryDirectory(prefix="gyre-scaleout-") as tmp:
+    with scratch_dir("gyre-scaleout-") as tmp:
         results = {n: measure(args, n, Path(tmp)) for n in counts}
     rate = {str(n): round(r["steps_per_s"], 2) for n, r in results.items()}
     first = results[counts[0]]["steps_per_s"] / counts[0]
-    print(json.dumps({
+    print_result({
         "bench": "scaleout",
         "steps_per_s": rate,
         "efficiency": {str(n): round(r["steps_per_s"] / (n * first), 3)
@@ -229,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         "latency_sigma": args.sigma, "seconds": args.seconds,
         "torch_threads": args.torch_threads,
         "learner": "stand-in (one policy-version with the gate open)",
-    }))
+    })
     return 0
 
 

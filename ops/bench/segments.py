@@ -9,13 +9,12 @@ second, bytes on disk and file count as one JSON line.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import tempfile
 import time
 from typing import Any
 
 import numpy as np
+from _common import print_result, scratch_dir
 
 from gyre_async.storage.segments import SegmentStore
 
@@ -72,9 +71,9 @@ def main() -> None:
     parser.add_argument("--singles", type=int, default=200)
     parser.add_argument("--no-fsync", action="store_true")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="gyre-bench-") as root:
+    with scratch_dir("gyre-bench-") as root:
         result = run_benchmark(root, args.n, args.batch, args.singles, not args.no_fsync)
-    print(json.dumps(result))
+    print_result(result)
 
 
 if __name__ == "__main__":

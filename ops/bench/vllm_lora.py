@@ -15,17 +15,15 @@ rounding). Last line, one JSON object.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import msgspec  # noqa: E402
+import msgspec  # noqa: E402 - after the offline switch
+from _common import alternate, print_result  # noqa: E402
 from llm import run_pairs  # noqa: E402  (ops/bench/llm.py: the run's own prompts)
 
 from gyre_async.compose import build_tokenizer  # noqa: E402
@@ -92,20 +90,20 @@ def main() -> int:
                                    lora_request=engine.lora_request)
         return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - started)
 
-    for mode in engines:  # warm-up: the first requests pay for lazy set-up
-        gyre(mode), raw(mode)
-    rounds = []
-    for _ in range(args.rounds):
-        row = {f"{mode}_{kind}": f(mode) for mode in engines
-               for kind, f in (("gyre", gyre), ("raw", raw))}
-        rounds.append(row)
+    def report(_round: int, row: dict[str, float]) -> None:
         print("[vllm_lora] round: " + ", ".join(f"{k} {v:.1f}" for k, v in row.items())
               + " new tokens/s", flush=True)
-    best = {k: max(r[k] for r in rounds) for k in rounds[0]}
+
+    # the same engine's path and generate, in turn; warm-up: the first requests pay for
+    # lazy set-up
+    side = alternate({f"{mode}_{kind}": (lambda f=f, mode=mode: f(mode)) for mode in engines
+                      for kind, f in (("gyre", gyre), ("raw", raw))},
+                     args.rounds, warmup=True, after_round=report)
+    best = {k: side.best(k) for k in side.rounds[0]}
     same = sum(a == b for a, b in zip(chosen["adapter"], chosen["merged"])) / len(contexts)
     for engine in engines.values():
         engine.close()
-    print(json.dumps({
+    print_result({
         "bench": "vllm_lora", "run_dir": str(run_dir), "version": version,
         "prompts": len(contexts), "lora_rank": shape.lora.rank,
         "adapter_tokens_per_s": round(best["adapter_gyre"], 2),
@@ -116,7 +114,7 @@ def main() -> int:
         "adapter_vs_raw": round(best["adapter_gyre"] / best["adapter_raw"], 3),
         "merged_vs_raw": round(best["merged_gyre"] / best["merged_raw"], 3),
         "load_s": reload_s, "same_greedy_actions": round(same, 3),
-        "rounds": [{k: round(v, 2) for k, v in r.items()} for r in rounds]}))
+        "rounds": [{k: round(v, 2) for k, v in r.items()} for r in side.rounds]})
     return 0
 
 

@@ -102,6 +102,15 @@ def test_logprob_conventions_batching_and_gradients(policy):
     policy.model.zero_grad(set_to_none=True)
 
 
+def test_segment_contexts_reuse_the_prefix_and_read_a_segment_in_one_pass(policy):
+    """SmolLM2 with segment contexts: acting on each episode's cached keys/values acts as
+    acting on whole contexts, and one forward pass over each episode's sequence gives every
+    step's log-probs and value as evaluating its context apart (float32 tolerances)."""
+    from test_segment_contexts import check_segment_path
+
+    check_segment_path(policy, budget=1024, atol=1e-4)
+
+
 def test_checkpoint_loads_back_identically(policy, smollm2_dir, tmp_path):
     with torch.no_grad():  # make the weights differ from the converted model's
         policy.model.value_head.bias.add_(0.25)

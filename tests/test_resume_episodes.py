@@ -19,6 +19,7 @@ from gyre_async.bus import open_bus
 from gyre_async.bus.reading import read_events
 from gyre_async.core.resumption import UnfinishedTrajectories
 from gyre_async.core.rollout import LoggedStep, rebuild_episode
+from gyre_async.core.segment_context import resolve_trajectory
 from gyre_async.envs import register_env
 from gyre_async.envs.base import EnvFailure, StepResult, observation_hash
 from gyre_async.envs.workshop import WorkshopEnv
@@ -65,7 +66,7 @@ def _version(cfg, tmp_path, version: int, consumed: int) -> PolicyVersion:
     ref = save_weights(CheckpointStore(str(tmp_path / "checkpoints")),
                        build_policy(cfg, build_tokenizer(cfg)), version)
     return PolicyVersion(event_id=event_id("pv", version), run_id=cfg.run.run_id,
-                         producer="learner", key="policy", version=version,
+                         producer="test", key="policy", version=version,
                          checkpoint=ref.address, checkpoint_hash=ref.sha256,
                          reason="init" if version == 0 else "update", consumed_steps=consumed)
 
@@ -101,8 +102,12 @@ def _by_trajectory(events) -> dict[str, list[TrajectoryStep]]:
     return out
 
 
-def test_a_restarted_sampler_continues_the_episodes_its_predecessor_left_open(tmp_path, tiny):
-    cfg = tiny.config(run={"run_dir": str(tmp_path)}, policy={"history_turns": 2},
+@pytest.mark.parametrize("context", ["window", "segment"])
+def test_a_restarted_sampler_continues_the_episodes_its_predecessor_left_open(tmp_path, tiny,
+                                                                              context):
+    policy = ({"history_turns": 2} if context == "window" else
+              {"context": "segment", "context_tokens": 160})  # segment contexts: one per segment
+    cfg = tiny.config(run={"run_dir": str(tmp_path)}, policy=policy,
                       sampler={"num_envs": 3, "flush_interval_s": 0.05},
                       task={"env_config": {"n_orders": 40, "max_steps": MAX_STEPS}})
 
@@ -145,6 +150,7 @@ def test_a_restarted_sampler_continues_the_episodes_its_predecessor_left_open(tm
     ids = [e.event_id for e in after]
     assert len(ids) == len(set(ids))
     all_steps = _by_trajectory(after)
+    continued: list[bool] = []  # the first new step continues a segment context
     for tid, old in open_before.items():
         steps = sorted(all_steps[tid], key=lambda s: s.step_index)
         indices = [s.step_index for s in steps]
@@ -157,7 +163,16 @@ def test_a_restarted_sampler_continues_the_episodes_its_predecessor_left_open(tm
         first_new = steps[last_old.step_index + 1]
         # the continuation acts on the context the original would have had next
         assert first_new.context_tokens == last_old.next_context_tokens
+        assert first_new.context_prefix == last_old.next_context_prefix
+        # ... whole: every step's context resolves against the one before it, across the
+        # restart too (a segment context rebuilt token for token)
+        resolved = resolve_trajectory(steps)
+        assert len(resolved) == len(steps)
+        assert resolved[last_old.step_index + 1].context_tokens == \
+            resolved[last_old.step_index].next_context_tokens
+        continued.append(first_new.context_prefix > 0)
         assert first_new.policy_version == 1 and last_old.policy_version == 0
+    assert any(continued) == (context == "segment")
     # the new incarnation's own episodes start after the rebuilt ones, under new ids
     assert {tid.split("-")[1] for tid in all_steps} == {first.incarnation, second.incarnation}
     assert second.stats()["rebuilt_episodes"] == 3.0

@@ -29,7 +29,6 @@ from gyre_async.envs.macros import with_macros
 from gyre_async.policy.base import Policy, SamplingParams
 from gyre_async.policy.context import ContextBuilder
 from gyre_async.policy.tokenizer import BaseTokenizer
-from gyre_async.storage.roots import StorageRoots
 from schemas import event_id
 from schemas.config import Config
 from schemas.events import EvalResult, PolicyVersion
@@ -80,7 +79,8 @@ async def evaluate(cfg: Config, holder: PolicyHolder, builder: ContextBuilder,
         env = with_macros(make_env(cfg.task.env, **env_config), cfg.macros)
         try:
             return await run_episode(env, task_id, seed, batcher.act, builder,
-                                     step_timeout_s=cfg.sampler.step_timeout_s)
+                                     step_timeout_s=cfg.sampler.step_timeout_s,
+                                     segments=cfg.segmenter)
         finally:
             batcher.active -= 1
             await env.close()
@@ -130,22 +130,20 @@ class Evaluation:
         self.cfg = cfg
         self.holder = holder
         self.builder = builder
-        self.roots = StorageRoots.from_config(cfg)  # where a policy-version may point
         self.evaluated = 0
 
     @classmethod
     def from_config(cls, cfg: Config) -> Evaluation:
         tokenizer = build_tokenizer(cfg)
         return cls(cfg, PolicyHolder(validation_policy(cfg, tokenizer)),
-                   ContextBuilder(tokenizer, cfg.policy.context_tokens, cfg.policy.history_turns))
+                   ContextBuilder(tokenizer, cfg.policy.context_tokens, cfg.policy.history_turns,
+                                  mode=cfg.policy.context))
 
     async def run(self, version: PolicyVersion, *, greedy: bool, trigger: str, cause: str,
                   producer: str) -> EvalResult:
-        """Load ``version``'s weights (announced by the run's learner, in its checkpoint
-        root, hash verified) and validate them. ``cause`` is the id of
+        """Load ``version``'s weights (verified) and validate them. ``cause`` is the id of
         the event that asked for it: one result per (version, reason, cause)."""
-        address = self.roots.checkpoint_of(version)  # or raise: the evaluator dead-letters
-        await asyncio.to_thread(self.holder.load, address, version.checkpoint_hash,
+        await asyncio.to_thread(self.holder.load, version.checkpoint, version.checkpoint_hash,
                                 version.version)
         summary = await evaluate(self.cfg, self.holder, self.builder, None, greedy)
         self.evaluated += 1

@@ -70,12 +70,13 @@ class ScheduledPolicyHolder(PolicyHolder):
     def params_now(self) -> SamplingParams:
         return sampling_params_at(self.cfg, max(self.version, 0))
 
-    def act(self, contexts: list[list[int]], params: SamplingParams, seed: int | None):
+    def act(self, contexts: list[list[int]], params: SamplingParams, seed: int | None,
+            sessions: list[str | None] | None = None):
         with self.lock:
             self._before_act(contexts)
             with timing.timed("policy"):
-                return (self.policy.act_batch(contexts, self.params_now(), seed=seed),
-                        self.version)
+                return (self.policy.act_batch(contexts, self.params_now(), seed=seed,
+                                              sessions=sessions), self.version)
 
     def _before_act(self, contexts: list[list[int]]) -> None:
         """Hook run under the lock before each batch (parameter noise adapts here)."""

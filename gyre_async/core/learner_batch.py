@@ -4,17 +4,24 @@
 (before each update) and ``gyre replay learner`` (after the fact, from the parent
 checkpoint) derive exactly the same advantages; :attr:`PreparedBatch.digest` is the
 fingerprint the audit compares.
+
+A segment stored as one sequence (segment contexts, see
+:func:`gyre_async.core.segmenter.segment_arrays`) is read in one forward pass for all its
+steps (:func:`evaluate_steps`); a segment stored one context per step is read step by step,
+as before.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from gyre_async.core.segmenter import segment_contexts, segment_sequence
+from gyre_async.policy.base import EvalOutput
 from gyre_async.rl.advantages import segment_gae
 from gyre_async.rl.fusion import CreditMode, fuse_segments
 from schemas.events import Scored
@@ -49,8 +56,7 @@ class BatchItem:
         arrays = self.arrays
         boot = arrays["bootstrap_context"][0, : int(arrays["bootstrap_len"][0])].tolist()
         if not boot and failed_fallback and self.scored.failure and not self.terminal:
-            last = len(arrays["context_len"]) - 1
-            boot = arrays["context_tokens"][last, : int(arrays["context_len"][last])].tolist()
+            boot = segment_contexts(arrays)[-1]
         return boot
 
 
@@ -72,6 +78,10 @@ class PreparedBatch:
     #: [n, longest action] log-probs of the actions under the weights that made ``values``
     #: (the decoupled-PPO proximal policy), read off the same forward pass; None: not taken
     proximal_logprobs: torch.Tensor | None = None
+    #: the one-sequence segments' sequences, and per step the sequence it is read from
+    #: (-1: its own context, ``contexts[i]``); empty: every step reads its own context
+    sequences: list[list[int]] = field(default_factory=list)
+    sequence_of: list[int] = field(default_factory=list)
 
     def credit_stats(self) -> dict[str, float]:
         weights = self.fusion_weights or [0.0]
@@ -97,17 +107,57 @@ def _rows(tokens: np.ndarray, lengths: np.ndarray) -> list[list[int]]:
     return [tokens[i, : int(lengths[i])].tolist() for i in range(len(lengths))]
 
 
+def evaluate_steps(policy, contexts: list[list[int]], actions: list[list[int]],
+                   rows: list[int], sequences: Sequence[list[int]] = (),
+                   sequence_of: Sequence[int] = ()) -> EvalOutput:
+    """:meth:`Policy.evaluate` of steps ``rows`` (with grad), their rows in that order.
+
+    Steps of a one-sequence segment (``sequence_of[i] >= 0``) are read off one forward
+    pass over their sequence, cut after the last action asked for
+    (:meth:`~gyre_async.policy.torch_policy.CausalLMPolicy.evaluate_sequences`); the others
+    from their own contexts. Without sequences this is ``policy.evaluate`` itself."""
+    if not sequences or all(sequence_of[i] < 0 for i in rows):
+        return policy.evaluate([contexts[i] for i in rows], [actions[i] for i in rows])
+    own = [i for i in rows if sequence_of[i] < 0]
+    groups: dict[int, list[int]] = {}
+    for i in rows:
+        if sequence_of[i] >= 0:
+            groups.setdefault(sequence_of[i], []).append(i)
+    parts: list[EvalOutput] = []
+    order: list[int] = []
+    if own:
+        parts.append(policy.evaluate([contexts[i] for i in own], [actions[i] for i in own]))
+        order += own
+    cut = [sequences[k][:max(len(contexts[i]) + len(actions[i]) for i in group)]
+           for k, group in groups.items()]
+    parts.append(policy.evaluate_sequences(
+        cut, [[(len(contexts[i]), len(actions[i])) for i in group] for group in groups.values()]))
+    order += [i for group in groups.values() for i in group]
+    width = max(p.logprobs.shape[1] for p in parts)
+
+    def cat(name: str) -> torch.Tensor:
+        tensors = [getattr(p, name) for p in parts]
+        if tensors[0].dim() == 2:
+            tensors = [torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in tensors]
+        return torch.cat(tensors)[torch.tensor([order.index(i) for i in rows])]
+
+    return EvalOutput(logprobs=cat("logprobs"), entropy=cat("entropy"), values=cat("values"),
+                      mask=cat("mask"))
+
+
 def values_and_logprobs(policy, contexts: list[list[int]], actions: list[list[int]],
-                        chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+                        chunk: int = 1024, sequences: Sequence[list[int]] = (),
+                        sequence_of: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor]:
     """Values of ``contexts`` and log-probs [n, longest action] of ``actions``, from one
     forward pass without grad (the value is read at the last context token, before the
-    action, so it is the value :meth:`values` gives)."""
+    action, so it is the value :meth:`values` gives). Steps of one-sequence segments are
+    read a segment at a time (:func:`evaluate_steps`)."""
     n, width = len(contexts), max((len(a) for a in actions), default=1)
     values, logprobs = torch.zeros(n), torch.zeros(n, width)
     with torch.no_grad():
         for start in range(0, n, chunk):
             rows = list(range(start, min(n, start + chunk)))
-            out = policy.evaluate([contexts[i] for i in rows], [actions[i] for i in rows])
+            out = evaluate_steps(policy, contexts, actions, rows, sequences, sequence_of)
             values[rows] = out.values.float()
             logprobs[rows, : out.logprobs.shape[1]] = out.logprobs.float()
     return values, logprobs
@@ -131,9 +181,16 @@ def prepare_batch(policy, items: Sequence[BatchItem], gamma: float, lam: float,
     actions: list[list[int]] = []
     behaviour: list[list[float]] = []
     rewards: list[float] = []
+    sequences: list[list[int]] = []
+    sequence_of: list[int] = []
     for item in items:
         arrays = item.arrays
-        contexts += _rows(arrays["context_tokens"], arrays["context_len"])
+        contexts += segment_contexts(arrays)
+        sequence = segment_sequence(arrays)
+        if sequence is not None:
+            sequences.append(sequence)
+        sequence_of += [len(sequences) - 1 if sequence is not None else -1] * len(
+            arrays["context_len"])
         act_len = arrays["action_mask"].sum(axis=1)
         actions += _rows(arrays["action_tokens"], act_len)
         behaviour += [arrays["action_logprobs"][i, : int(act_len[i])].tolist()
@@ -142,7 +199,10 @@ def prepare_batch(policy, items: Sequence[BatchItem], gamma: float, lam: float,
     # One forward pass for the values whoever asks: a context-only pass (``policy.values``)
     # gives the same values up to the last bits only (other tensor shapes, other summation
     # order), and the digest compares bits.
-    values, logprobs = values_and_logprobs(policy, contexts, actions)
+    if not sequences:
+        sequence_of = []
+    values, logprobs = values_and_logprobs(policy, contexts, actions, sequences=sequences,
+                                           sequence_of=sequence_of)
     proximal = logprobs if with_logprobs else None
     with torch.no_grad():
         boots = [it.bootstrap_context(bootstrap_failed) for it in items]
@@ -173,4 +233,5 @@ def prepare_batch(policy, items: Sequence[BatchItem], gamma: float, lam: float,
                          fused2d[k_index, t_index], ret2d[k_index, t_index],
                          adv2d[k_index, t_index], weights.tolist(),
                          int((~torch.isnan(outcome)).sum()),
-                         sum(1 for it in items if it.scored.failure), proximal)
+                         sum(1 for it in items if it.scored.failure), proximal, sequences,
+                         sequence_of)

@@ -5,6 +5,11 @@ rest: admission, advantages, critic defences). Its batch-wide quantities (advant
 normalisation, behaviour and proximal log-probs, the minibatch permutation) are computed
 whole; only the minibatch loss is split when a data-parallel group is given. With one
 process every share below is exactly 1, so the single learner's arithmetic is unchanged.
+
+Segments stored as one sequence (segment contexts) are read whole: minibatches are made of
+whole segments (a segment's steps are never spread over minibatches, which would read its
+sequence once per minibatch), and a forward/backward pass holds whole segments up to
+``micro_tokens`` tokens. Window-context batches keep their step-wise minibatches.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from gyre_async.core.learner_batch import PreparedBatch
+from gyre_async.core.learner_batch import PreparedBatch, evaluate_steps
 from gyre_async.core.learner_dp import DataParallel
 from gyre_async.rl.finite import check_batch_finite, check_loss_finite
 from gyre_async.rl.ppo import broadcast_step_advantages, ppo_policy_loss, value_loss
@@ -43,6 +48,8 @@ class PpoEpochs:
                  prep: PreparedBatch, ids: list[str], dp: DataParallel | None = None):
         self.policy, self.optimizer, self.settings = policy, optimizer, settings
         self.prep, self.ids, self.dp = prep, ids, dp
+        #: the rows as read together: a one-sequence segment's steps, or one step
+        self.units = self._row_units(list(range(prep.n))) if prep.sequences else []
         n, adv = prep.n, prep.advantages
         self.adv_norm = (adv - adv.mean()) / (adv.std() + 1e-8) if n > 1 else adv
         width = max(len(a) for a in prep.actions)
@@ -69,9 +76,7 @@ class PpoEpochs:
         stats: dict[str, list[float]] = {}
         gen = torch.Generator().manual_seed(n)  # the same permutation on every rank
         for _ in range(settings.epochs):
-            perm = torch.randperm(n, generator=gen).tolist()
-            for start in range(0, n, settings.minibatch_steps):
-                mb = perm[start : start + settings.minibatch_steps]
+            for mb in self._minibatches(gen):
                 mine = self.dp.owned(mb) if self.dp else mb
                 self.optimizer.zero_grad()
                 readings = (self._accumulate(mine, len(mb), int(self.token_mask[mb].sum()))
@@ -88,6 +93,62 @@ class PpoEpochs:
                     stats.setdefault(key, []).append(val)
         return {f"losses/{k}": float(np.mean(vals)) for k, vals in stats.items()}
 
+    def _minibatches(self, gen: torch.Generator) -> list[list[int]]:
+        """One epoch's minibatches (rows of the batch), in a fresh random order: steps
+        ``minibatch_steps`` at a time; with one-sequence segments, whole segments (and
+        window steps) until a minibatch holds ``minibatch_steps`` steps."""
+        n, size = self.prep.n, self.settings.minibatch_steps
+        if not self.prep.sequences:
+            perm = torch.randperm(n, generator=gen).tolist()
+            return [perm[start : start + size] for start in range(0, n, size)]
+        out: list[list[int]] = [[]]
+        for unit in torch.randperm(len(self.units), generator=gen).tolist():
+            if len(out[-1]) >= size:
+                out.append([])
+            out[-1] += self.units[unit]
+        return out
+
+    def _micro_batches(self, rows: list[int]) -> list[list[int]]:
+        """``rows`` in forward/backward passes: whole segments up to ``micro_tokens``
+        tokens (one-sequence segments), else at most ``micro_steps`` rows."""
+        prep, settings = self.prep, self.settings
+        if prep.sequences and settings.micro_tokens > 0:
+            groups: list[list[int]] = []
+            tokens = 0
+            for row_group in self._row_units(rows):
+                size = max(len(prep.contexts[i]) + len(prep.actions[i]) for i in row_group)
+                if groups and tokens + size <= settings.micro_tokens:
+                    groups[-1] += row_group
+                    tokens += size
+                else:
+                    groups.append(list(row_group))
+                    tokens = size
+            return groups
+        micro = settings.micro_steps
+        if micro <= 0 or len(rows) <= micro:
+            return [rows]
+        return [rows[start : start + micro] for start in range(0, len(rows), micro)]
+
+    def _row_units(self, rows: list[int]) -> list[list[int]]:
+        """``rows`` grouped as read together (see :attr:`units`), in their order."""
+        groups: dict[int, list[int]] = {}
+        out: list[list[int]] = []
+        for i in rows:
+            k = self.prep.sequence_of[i]
+            if k < 0:
+                out.append([i])
+            elif k in groups:
+                groups[k].append(i)
+            else:
+                groups[k] = [i]
+                out.append(groups[k])
+        return out
+
+    def _evaluate(self, rows: list[int]):
+        prep = self.prep
+        return evaluate_steps(self.policy, prep.contexts, prep.actions, rows, prep.sequences,
+                              prep.sequence_of)
+
     def _proximal_logprobs(self, width: int) -> torch.Tensor:
         """Log-probs [n, width] of the actions under the weights before the update (each
         rank computes the rows it owns; the sum over ranks fills every row)."""
@@ -98,8 +159,7 @@ class PpoEpochs:
                 rows = self.dp.owned(rows) if self.dp else rows
                 if not rows:
                     continue
-                out = self.policy.evaluate([prep.contexts[i] for i in rows],
-                                           [prep.actions[i] for i in rows])
+                out = self._evaluate(rows)
                 proximal[rows, : out.logprobs.shape[1]] = out.logprobs.float()
         return self.dp.sum(proximal) if self.dp else proximal
 
@@ -121,13 +181,12 @@ class PpoEpochs:
         activations held for backward are those of one micro-batch, so a large minibatch
         fits in memory). Each pass is a share of the minibatch, as a rank's share is, so the
         gradients and readings add up to those of one pass over ``rows``."""
-        micro = self.settings.micro_steps
-        if micro <= 0 or len(rows) <= micro:
+        passes = self._micro_batches(rows)
+        if len(passes) == 1:
             return self._minibatch_loss(rows, mb_rows, mb_tokens, shared=self.dp is not None)
         total = dict.fromkeys(MINIBATCH_READINGS, 0.0)
-        for start in range(0, len(rows), micro):
-            part = self._minibatch_loss(rows[start : start + micro], mb_rows, mb_tokens,
-                                        shared=True)
+        for part_rows in passes:
+            part = self._minibatch_loss(part_rows, mb_rows, mb_tokens, shared=True)
             for key, val in part.items():
                 total[key] += val
         return total
@@ -140,8 +199,7 @@ class PpoEpochs:
         step means over its steps, so the shares add up to its loss. Returns the readings
         (the loss's parts, the PPO statistics), each scaled likewise."""
         settings, prep, dp = self.settings, self.prep, self.dp
-        out = self.policy.evaluate([prep.contexts[i] for i in rows],
-                                   [prep.actions[i] for i in rows])
+        out = self._evaluate(rows)
         cols = out.logprobs.shape[1]
         mask = self.token_mask[rows, :cols]
         token_share = int(mask.sum()) / max(mb_tokens, 1) if shared else 1.0

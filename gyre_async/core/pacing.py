@@ -3,22 +3,24 @@
 The staleness gate paces the *opening* of segments (``StalenessGate.may_open_segment`` in
 ``gyre_async.rl.staleness``): a segment is as old as its first step, so whether it will
 reach the learner within the bound is decided when that step is taken. The sampler must
-therefore know whether its next step opens a segment. The segmenter's rule
-(:meth:`gyre_async.core.segmenter.SegmenterCore.add`) depends only on the trajectory's own
-steps: a segment opens at the first step and after any step that closed one (a milestone
-reached with ``close_on_milestone``, a state change with ``close_on_state_change``,
-``max_segment_steps`` steps, the trajectory's end), so the sampler follows the same rule on
-the steps it makes. A gap the segmenter cuts at (a step lost upstream) is invisible here;
-the view is then off until the next boundary, which makes pacing less exact, never the
-bound (the learner still refuses what is too old).
+therefore know whether its next step opens a segment, and, with segment contexts
+(``policy.context = "segment"``), close each context exactly where its segment closes.
+It does not keep a rule of its own for either: :class:`SegmentCursor` counts the open
+segment's steps and asks the segmenter's rule
+(:func:`gyre_async.core.segmenter.segment_boundary`) about each step, with the same fields
+the step's event carries. A gap the segmenter cuts at (a step lost upstream) is invisible
+here; the view is then off until the next boundary, which makes pacing less exact, never
+the bound (the learner still refuses what is too old).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gyre_async.core.segmenter import segment_boundary
 from gyre_async.envs.base import StepResult
 from schemas.config import SegmenterConfig
+from schemas.events import BoundaryReason
 
 
 @dataclass
@@ -32,11 +34,15 @@ class SegmentCursor:
     def opens_segment(self) -> bool:
         return self.length == 0
 
-    def after(self, result: StepResult) -> None:
-        """Count one step of the trajectory, and close the segment where the segmenter will."""
-        self.length += 1
-        if (result.over
-                or (result.milestones and self.config.close_on_milestone)
-                or (result.state_changed and self.config.close_on_state_change)
-                or self.length >= self.config.max_segment_steps):
-            self.length = 0
+    def closes(self, result: StepResult, context_full: bool = False) -> BoundaryReason | None:
+        """Where the segment would close if the next step answered ``result`` (nothing
+        counted: the sampler asks this before it knows whether the context is full)."""
+        return segment_boundary(self.config, self.length + 1, ended=result.over,
+                                milestone=bool(result.milestones),
+                                state_changed=result.state_changed, context_full=context_full)
+
+    def after(self, result: StepResult, context_full: bool = False) -> BoundaryReason | None:
+        """Count one step of the trajectory; the boundary it closes the segment at, if any."""
+        boundary = self.closes(result, context_full)
+        self.length = 0 if boundary is not None else self.length + 1
+        return boundary

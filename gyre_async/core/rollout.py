@@ -7,8 +7,10 @@ Shared by the sampler (training episodes, published step by step) and the evalua
   ``policy.act_batch`` call, run on a worker thread so the event loop (and every slow
   environment) keeps moving while the policy computes.
 - :func:`run_episode` drives one episode: bounded context (milestone summary + recent turns
-  + current observation), guarded env calls (a hung or failing env ends only its own
-  episode, as truncated, reported in the summary's ``failure``), one callback per step.
+  + current observation; or, with segment contexts, one append-only sequence per segment,
+  closed where the segmenter closes the segment), guarded env calls (a hung or failing env
+  ends only its own episode, as truncated, reported in the summary's ``failure``), one
+  callback per step.
 - :func:`rebuild_episode` brings a fresh environment to where a logged episode stood (its
   actions replayed, every observation checked against the log's hash), and
   :func:`play_episode` goes on from there: how a restarted sampler continues the episodes
@@ -21,9 +23,10 @@ import asyncio
 import threading
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gyre_async import timing
+from gyre_async.core.pacing import SegmentCursor
 from gyre_async.envs.base import (
     Env,
     EnvFailure,
@@ -35,6 +38,8 @@ from gyre_async.envs.base import (
 from gyre_async.policy.base import Action, Policy, SamplingParams
 from gyre_async.policy.context import ContextBuilder
 from gyre_async.policy.factory import load_weights
+from schemas.config import SegmenterConfig
+from schemas.events import BoundaryReason
 
 
 @dataclass(frozen=True)
@@ -54,9 +59,11 @@ class PolicyHolder:
         self.version = version
         self.lock = threading.Lock()
 
-    def act(self, contexts: list[list[int]], params: SamplingParams, seed: int | None):
+    def act(self, contexts: list[list[int]], params: SamplingParams, seed: int | None,
+            sessions: list[str | None] | None = None):
         with self.lock, timing.timed("policy"):
-            return self.policy.act_batch(contexts, params, seed=seed), self.version
+            return (self.policy.act_batch(contexts, params, seed=seed, sessions=sessions),
+                    self.version)
 
     def close(self) -> None:
         self.policy.close()
@@ -76,7 +83,7 @@ class ActionBatcher:
         self.params = params
         self.wait_s = wait_s
         self.max_batch = max_batch
-        self._pending: list[tuple[list[int], asyncio.Future]] = []
+        self._pending: list[tuple[list[int], str | None, asyncio.Future]] = []
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._calls = 0
@@ -84,11 +91,14 @@ class ActionBatcher:
         self.active = 0  # episodes that may ask for an action soon (a hint for batch size)
         self.policy_seconds = 0.0
 
-    async def act(self, context: list[int]) -> Acted:
+    async def act(self, context: list[int], session: str | None = None) -> Acted:
+        """One action for ``context``. ``session`` names the episode it belongs to: a
+        policy that keeps keys/values between steps (segment contexts) reuses that
+        episode's cached prefix (:meth:`Policy.act_batch`)."""
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._loop(), name="action-batcher")
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
-        self._pending.append((context, fut))
+        self._pending.append((context, session, fut))
         self._wake.set()
         return await fut
 
@@ -115,17 +125,19 @@ class ActionBatcher:
             self._calls += 1
             started = loop.time()
             try:
+                sessions = [s for _, s, _ in batch]
                 actions, version = await asyncio.to_thread(
-                    self.holder.act, [c for c, _ in batch], self.params,
+                    self.holder.act, [c for c, _, _ in batch], self.params,
                     self._seed * 1_000_003 + self._calls,
+                    sessions if any(s is not None for s in sessions) else None,
                 )
             except Exception as exc:  # noqa: BLE001 - handed to every waiter, not swallowed
-                for _, fut in batch:
+                for _, _, fut in batch:
                     if not fut.done():
                         fut.set_exception(exc)
                 continue
             self.policy_seconds += loop.time() - started
-            for (_, fut), action in zip(batch, actions):
+            for (_, _, fut), action in zip(batch, actions):
                 if not fut.done():
                     fut.set_result(Acted(action, version))
 
@@ -136,7 +148,12 @@ class ActionBatcher:
 
 @dataclass(frozen=True)
 class StepRecord:
-    """One step as the episode runner saw it (the sampler turns it into an event)."""
+    """One step as the episode runner saw it (the sampler turns it into an event).
+
+    ``context`` and ``next_context`` are whole; with segment contexts the first
+    ``context_prefix`` tokens of ``context`` are the previous step's context and action (and
+    the first ``next_context_prefix`` of ``next_context`` this step's), which the event
+    leaves out (:func:`gyre_async.core.sampler.step_event`)."""
 
     step_index: int
     context: list[int]
@@ -145,6 +162,10 @@ class StepRecord:
     next_context: list[int] | None
     latency_s: float
     reset_hash: str = ""  # step 0 only: the hash of the observation reset returned
+    context_prefix: int = 0
+    next_context_prefix: int = 0
+    boundary: BoundaryReason | None = None  # the segment closes at this step (the rule's)
+    context_full: bool = False  # ... because the next segment context would not fit
 
 
 @dataclass
@@ -164,44 +185,97 @@ def milestone_summary(names: list[str]) -> str:
 
 
 @dataclass
+class Turn:
+    """What :meth:`EpisodeState.advance` decided about one step."""
+
+    boundary: BoundaryReason | None
+    context_full: bool
+    next_context_prefix: int
+
+
+@dataclass
 class EpisodeState:
     """What an episode carries from one step to the next: the current observation, the
-    recent turns and the milestones reached. Playing and rebuilding advance it with the same
-    :meth:`advance`, so a rebuilt episode's context is the one the original would have had."""
+    recent turns, the milestones reached, where its segment stands (the segmenter's rule,
+    asked step by step) and, with segment contexts, the open segment's token sequence.
+    Playing and rebuilding advance it with the same :meth:`advance`, so a rebuilt
+    episode's context is the one the original would have had."""
 
     observation: str
     history: deque[tuple[str, str]]
     reached: list[str]
     next_step: int = 0
     reset_hash: str = ""
+    segment: SegmentCursor = field(default_factory=lambda: SegmentCursor(SegmenterConfig()))
+    #: segment contexts: the current context (None: the next one opens a segment)
+    sequence: list[int] | None = None
+    #: tokens of the current context that continue the previous step's context + action
+    context_prefix: int = 0
 
     @classmethod
-    def first(cls, observation: str, builder: ContextBuilder) -> EpisodeState:
+    def first(cls, observation: str, builder: ContextBuilder,
+              segments: SegmenterConfig | None = None) -> EpisodeState:
+        """A fresh episode. ``segments``: the run's segmenter config, whose rule says where
+        segments close (the default config when None)."""
         return cls(observation, deque(maxlen=max(builder.history_turns, 1)), [],
-                   reset_hash=observation_hash(observation))
+                   reset_hash=observation_hash(observation),
+                   segment=SegmentCursor(segments or SegmenterConfig()))
 
     def context(self, builder: ContextBuilder) -> list[int]:
+        """The context for the next action (a fresh list: the caller may keep it)."""
+        if builder.segments:
+            if self.sequence is None:
+                self.sequence = builder.opening(self.observation,
+                                                milestone_summary(self.reached))
+                self.context_prefix = 0
+            return list(self.sequence)
         turns = list(self.history)[-builder.history_turns:] if builder.history_turns else []
         return builder.build(self.observation, turns, milestone_summary(self.reached))
 
-    def advance(self, action_text: str, result: StepResult) -> None:
+    def advance(self, builder: ContextBuilder, action_text: str, action_tokens: Sequence[int],
+                result: StepResult) -> Turn:
+        """Take one step: the action (its text and the tokens the policy wrote) and what
+        the environment answered. The segment closes where the segmenter's rule says; a
+        segment context that could not take the next observation within the builder's
+        budget closes it too (``context_full``, a flag the step's event carries, so the
+        segmenter reads the same cut)."""
+        full = False
+        continued: list[int] | None = None
+        if builder.segments and self.sequence is not None and not result.over \
+                and self.segment.closes(result) is None:
+            continued = [*self.sequence, *action_tokens,
+                         *builder.continuation(action_tokens, result.observation)]
+            full = len(continued) > builder.max_tokens
+        boundary = self.segment.after(result, context_full=full)
+        prefix = 0
+        if builder.segments:
+            if boundary is None and continued is not None:
+                prefix = len(self.sequence or ()) + len(action_tokens)
+                self.sequence = continued
+            else:
+                self.sequence = None  # the next context opens the next segment
+            self.context_prefix = prefix
         self.history.append((self.observation, action_text))
         self.reached.extend(m.name for m in result.milestones)
         self.observation = result.observation
         self.next_step += 1
+        return Turn(boundary, full, prefix)
 
 
 @dataclass(frozen=True)
 class LoggedStep:
-    """What the log says of one step an episode took: enough to replay and check it."""
+    """What the log says of one step an episode took: enough to replay and check it (and,
+    for segment contexts, to rebuild them token for token: the action's own tokens)."""
 
     action_text: str
     observation_hash: str
+    action_tokens: tuple[int, ...] = ()
 
 
 async def rebuild_episode(env: Env, task_id: str, seed: int, reset_hash: str,
                           logged: Sequence[LoggedStep], builder: ContextBuilder, *,
-                          step_timeout_s: float) -> EpisodeState | EnvFailure:
+                          step_timeout_s: float, segments: SegmenterConfig | None = None
+                          ) -> EpisodeState | EnvFailure:
     """Reset a fresh ``env`` as the episode began and replay its logged actions (at the
     level they were logged: a macro's name goes to the macro wrapper, which expands it
     again), checking every observation against the log's hash.
@@ -215,10 +289,16 @@ async def rebuild_episode(env: Env, task_id: str, seed: int, reset_hash: str,
     if isinstance(first, EnvFailure):
         return EnvFailure(first.kind, f"rebuild-failed at reset: {first.message}",
                           reason="rebuild-failed")
-    state = EpisodeState.first(first, builder)
+    state = EpisodeState.first(first, builder, segments)
     if state.reset_hash != reset_hash:
         return _mismatch("at reset", reset_hash, state.reset_hash)
     for index, step in enumerate(logged):
+        if builder.segments and not step.action_tokens:
+            return EnvFailure("exception", f"rebuild-failed at step {index}: the log has no "
+                              "action tokens to rebuild its segment context with",
+                              reason="rebuild-failed")
+        if builder.segments:
+            state.context(builder)  # a segment context opens where the original one did
         result = await guarded_step(env, step.action_text, step_timeout_s)
         if isinstance(result, EnvFailure):
             return EnvFailure(result.kind, f"rebuild-failed at step {index}: {result.message}",
@@ -230,7 +310,7 @@ async def rebuild_episode(env: Env, task_id: str, seed: int, reset_hash: str,
             return EnvFailure("exception", f"rebuild-mismatch at step {index}: the replayed "
                               f"episode ended there, the log goes on to step {len(logged) - 1}",
                               reason="rebuild-mismatch")
-        state.advance(step.action_text, result)
+        state.advance(builder, step.action_text, step.action_tokens, result)
     return state
 
 
@@ -250,12 +330,14 @@ async def run_episode(
     step_timeout_s: float,
     on_step: Callable[[StepRecord], Awaitable[None]] | None = None,
     before_step: Callable[[], Awaitable[None]] | None = None,
+    segments: SegmenterConfig | None = None,
 ) -> EpisodeSummary:
-    """One episode from its reset to its end (see :func:`play_episode`)."""
+    """One episode from its reset to its end (see :func:`play_episode`); ``segments``:
+    the segmenter config whose rule closes segments (and segment contexts)."""
     first = await guarded_reset(env, task_id, seed, step_timeout_s)
     if isinstance(first, EnvFailure):
         return EpisodeSummary(failure=first)
-    return await play_episode(env, EpisodeState.first(first, builder), act, builder,
+    return await play_episode(env, EpisodeState.first(first, builder, segments), act, builder,
                               step_timeout_s=step_timeout_s, on_step=on_step,
                               before_step=before_step)
 
@@ -281,6 +363,7 @@ async def play_episode(
     for step_index in range(state.next_step, env.max_steps + 1):
         if before_step is not None:
             await before_step()
+        prefix = state.context_prefix
         acted = await act(context)
         started = loop.time()
         result = await guarded_step(env, acted.action.text, step_timeout_s)
@@ -290,11 +373,14 @@ async def play_episode(
             summary.failure = result
             summary.steps = step_index
             return summary
-        state.advance(acted.action.text, result)
+        turn = state.advance(builder, acted.action.text, acted.action.tokens, result)
         next_context = None if result.done else state.context(builder)
         if on_step is not None:
             await on_step(StepRecord(step_index, context, acted, result, next_context, latency,
-                                     reset_hash=state.reset_hash if step_index == 0 else ""))
+                                     reset_hash=state.reset_hash if step_index == 0 else "",
+                                     context_prefix=prefix,
+                                     next_context_prefix=turn.next_context_prefix,
+                                     boundary=turn.boundary, context_full=turn.context_full))
         summary.steps = step_index + 1
         summary.score = result.score
         if result.over or next_context is None:  # done is over: no context follows it

@@ -7,8 +7,9 @@ stamped with the policy version that chose the action. Bounded staleness (see
 
 - the learner's consumption paces sampling: a step that *opens* a segment is admitted only
   while that segment can reach the learner within the bound (``StalenessGate.
-  may_open_segment``; :class:`~gyre_async.core.pacing.SegmentCursor` tells where segments
-  open), a step of an open segment under the looser cap (``StalenessGate.may_sample``),
+  may_open_segment``; each episode's :class:`~gyre_async.core.pacing.SegmentCursor` tells
+  where segments open, by the segmenter's own rule), a step of an open segment under the
+  looser cap (``StalenessGate.may_sample``),
   each replica within its share when several samplers run. The learner's consumed count
   comes with every ``policy-version`` and every ``segment-dropped`` (:meth:`SamplerCore.
   follow_drop`), so dropped work reopens the gate at once;
@@ -41,12 +42,12 @@ running environments concurrently is what this core does.
 from __future__ import annotations
 
 import asyncio
+import functools
 import statistics
 import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from functools import cached_property
 
 from gyre_async.compose import build_acting_policy, build_tokenizer
 from gyre_async.core.exploration import (
@@ -54,13 +55,13 @@ from gyre_async.core.exploration import (
     make_holder,
     sampling_params_at,
 )
-from gyre_async.core.pacing import SegmentCursor
 from gyre_async.core.resumption import (
     OpenEpisode,
     UnfinishedTrajectories,
     task_id_of,
 )
 from gyre_async.core.rollout import (
+    Acted,
     ActionBatcher,
     EpisodeState,
     EpisodeSummary,
@@ -77,7 +78,6 @@ from gyre_async.envs.macros import step_fields, with_macros
 from gyre_async.errors import ConfigError
 from gyre_async.policy.context import ContextBuilder
 from gyre_async.rl.staleness import StalenessGate
-from gyre_async.storage.roots import StorageRoots
 from schemas import Event, event_id
 from schemas.config import Config
 from schemas.events import EnvError, Milestone, PolicyVersion, SegmentDropped, TrajectoryStep
@@ -146,22 +146,15 @@ class SamplerCore:
         """Exploration schedule (perturbed if configured); vLLM when policy.backend = "vllm"."""
         tokenizer = build_tokenizer(cfg)
         return cls(cfg, make_holder(cfg, build_acting_policy(cfg, tokenizer)),
-                   ContextBuilder(tokenizer, cfg.policy.context_tokens, cfg.policy.history_turns))
-
-    @cached_property
-    def roots(self) -> StorageRoots:
-        """Where a ``policy-version`` may point: the run's checkpoint root (config)."""
-        return StorageRoots.from_config(self.cfg)
+                   ContextBuilder(tokenizer, cfg.policy.context_tokens, cfg.policy.history_turns,
+                                  mode=cfg.policy.context))
 
     # -- following the learner -------------------------------------------------------------
     async def follow(self, event: PolicyVersion) -> None:
-        """Load a newer version (or a rollback's) and move the gate to the learner's place.
-        One the run's learner did not announce, or whose checkpoint lies outside the run's
-        checkpoint root, raises (the actor dead-letters it) and moves nothing."""
-        address = self.roots.checkpoint_of(event)
+        """Load a newer version (or a rollback's) and move the gate to the learner's place."""
         if event.version <= self.holder.version and event.reason != "rollback":
             return
-        await asyncio.to_thread(self.holder.load, address, event.checkpoint_hash,
+        await asyncio.to_thread(self.holder.load, event.checkpoint, event.checkpoint_hash,
                                 event.version)
         async with self._version_seen:
             self.learner_version = max(self.learner_version, event.version) \
@@ -294,9 +287,10 @@ class SamplerCore:
 
         async def play(on_step: Callable[[StepRecord], Awaitable[None]],
                        before_step: Callable[[], Awaitable[None]]) -> EpisodeSummary:
-            return await run_episode(env, task_id, seed, shared.batcher.act, self.builder,
+            return await run_episode(env, task_id, seed, self._act(shared, tid), self.builder,
                                      step_timeout_s=cfg.sampler.step_timeout_s,
-                                     on_step=on_step, before_step=before_step)
+                                     on_step=on_step, before_step=before_step,
+                                     segments=cfg.segmenter)
 
         await self._play(shared, tid, task_id, play)
 
@@ -313,7 +307,8 @@ class SamplerCore:
         started = loop.time()
         state = await rebuild_episode(env, episode.task_id, episode.seed, episode.reset_hash,
                                       episode.steps, self.builder,
-                                      step_timeout_s=cfg.sampler.step_timeout_s)
+                                      step_timeout_s=cfg.sampler.step_timeout_s,
+                                      segments=cfg.segmenter)
         if isinstance(state, EnvFailure):
             if state.reason == "rebuild-mismatch":
                 self.rebuild_mismatches += 1
@@ -328,24 +323,33 @@ class SamplerCore:
 
         async def play(on_step: Callable[[StepRecord], Awaitable[None]],
                        before_step: Callable[[], Awaitable[None]]) -> EpisodeSummary:
-            return await play_episode(env, rebuilt, shared.batcher.act, self.builder,
-                                      step_timeout_s=cfg.sampler.step_timeout_s,
+            return await play_episode(env, rebuilt, self._act(shared, episode.trajectory_id),
+                                      self.builder, step_timeout_s=cfg.sampler.step_timeout_s,
                                       on_step=on_step, before_step=before_step)
 
-        await self._play(shared, episode.trajectory_id, episode.task_id, play)
+        await self._play(shared, episode.trajectory_id, episode.task_id, play,
+                         opens_segment=rebuilt.segment.opens_segment)
 
-    async def _play(self, shared: _Run, tid: str, task_id: str, play: Play) -> None:
+    def _act(self, shared: _Run, tid: str) -> Callable[[list[int]], Awaitable[Acted]]:
+        """How an episode asks for actions: with segment contexts, under its trajectory id,
+        so that a policy that keeps keys/values reuses the episode's cached prefix."""
+        if not self.builder.segments:
+            return shared.batcher.act
+        return functools.partial(shared.batcher.act, session=tid)
+
+    async def _play(self, shared: _Run, tid: str, task_id: str, play: Play,
+                    opens_segment: bool = True) -> None:
         """Play an episode (``play(on_step, before_step)``), publishing each step and, if
-        the environment failed, the ``env-error`` that ends the trajectory."""
+        the environment failed, the ``env-error`` that ends the trajectory. ``opens_segment``:
+        the first step opens a segment (a rebuilt episode may stand inside one)."""
         cfg = self.cfg
-
-        segment = SegmentCursor(cfg.segmenter)  # where the segmenter will cut (pacing)
+        opens = [opens_segment]  # does the next step open a segment (the segmenter's rule)
 
         async def admit() -> None:
-            await self._admit(segment.opens_segment)
+            await self._admit(opens[0])
 
         async def on_step(record: StepRecord) -> None:
-            segment.after(record.result)
+            opens[0] = record.boundary is not None
             shared.publish(step_event(cfg.run.run_id, shared.producer, tid, task_id, record))
 
         shared.batcher.active += 1
@@ -354,6 +358,8 @@ class SamplerCore:
                                  self._count if cfg.run.mode == "sync" else admit)
         finally:
             shared.batcher.active -= 1
+            if self.builder.segments:
+                self.holder.policy.forget_session(tid)  # its cached keys/values, if any
         if summary.failure is not None:
             self.env_errors += 1
             shared.publish(EnvError(
@@ -375,6 +381,9 @@ class SamplerCore:
                 "rebuild_s_median": (statistics.median(self.rebuild_seconds)
                                      if self.rebuild_seconds else 0.0),
                 "at_gate": float(self.at_gate),
+                # context tokens the policy computed, and those it reused from its cache
+                "prefill_computed": float(self.holder.policy.prefill_computed),
+                "prefill_reused": float(self.holder.policy.prefill_reused),
                 **exploration_stats(self.holder)}
 
 
@@ -386,14 +395,18 @@ def step_event(run_id: str, producer: str, trajectory_id: str, task_id: str,
         event_id=event_id("step", run_id, trajectory_id, record.step_index),
         run_id=run_id, producer=producer, key=trajectory_id,
         trajectory_id=trajectory_id, task_id=task_id, step_index=record.step_index,
-        policy_version=record.acted.policy_version, context_tokens=record.context,
+        policy_version=record.acted.policy_version,
+        context_tokens=record.context[record.context_prefix:],
+        context_prefix=record.context_prefix,
         action_tokens=record.acted.action.tokens,
         action_logprobs=record.acted.action.logprobs, action_text=record.acted.action.text,
         feedback=result.feedback,
         milestones=[Milestone(name=m.name, proof=m.proof) for m in result.milestones],
         state_changed=result.state_changed, tool_latency_s=record.latency_s, done=result.done,
         truncated=result.truncated, success=result.success, score=result.score,
-        next_context_tokens=record.next_context,
+        next_context_tokens=(None if record.next_context is None
+                             else record.next_context[record.next_context_prefix:]),
+        next_context_prefix=record.next_context_prefix, context_full=record.context_full,
         observation_hash=observation_hash(result.observation), reset_hash=record.reset_hash,
         **step_fields(result),
     )

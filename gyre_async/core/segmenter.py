@@ -14,10 +14,12 @@ segments are skipped and nothing is segmented twice.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from gyre_async.core.segment_context import continues, resolve_step
 from gyre_async.envs.macros import env_steps_of
 from gyre_async.storage.segments import SegmentRef
 from schemas import event_id
@@ -62,9 +64,16 @@ def pad(rows: list[list[int]], width: int, dtype=np.int32) -> tuple[np.ndarray, 
 
 
 def segment_arrays(seg: ClosedSegment) -> dict[str, np.ndarray]:
-    """The arrays the learner trains on, one row per step."""
+    """The arrays the learner trains on, one row per step.
+
+    Two layouts of the contexts. When each step's context is the previous one's context and
+    action followed by more (segment contexts), the segment is **one sequence**:
+    ``sequence_tokens`` [1, L] holds every context and action once, ``context_len`` [n]
+    where each step's action starts in it; the store then holds O(L) tokens, not O(n L),
+    and the learner reads the segment in one pass. Otherwise (window contexts) one row per
+    step: ``context_tokens`` [n, width] and ``context_len``. :func:`segment_contexts`
+    gives each step's context back from either."""
     steps = seg.steps
-    ctx, ctx_len = pad([s.context_tokens for s in steps], max(len(s.context_tokens) for s in steps))
     width = max(len(s.action_tokens) for s in steps)
     act, act_len = pad([s.action_tokens for s in steps], width)
     logp = np.zeros((len(steps), max(width, 1)), dtype=np.float32)
@@ -75,8 +84,18 @@ def segment_arrays(seg: ClosedSegment) -> dict[str, np.ndarray]:
     boot = last.next_context_tokens or []
     boot_arr = np.zeros((1, max(len(boot), 1)), dtype=np.int32)
     boot_arr[0, : len(boot)] = boot
+    if len(steps) > 1 and all(continues(a, b) for a, b in zip(steps, steps[1:])):
+        sequence = [*last.context_tokens, *last.action_tokens]
+        contexts = {"sequence_tokens": np.array([sequence], dtype=np.int32),
+                    "sequence_len": np.array([len(sequence)], dtype=np.int32),
+                    "context_len": np.array([len(s.context_tokens) for s in steps],
+                                            dtype=np.int32)}
+    else:
+        ctx, ctx_len = pad([s.context_tokens for s in steps],
+                           max(len(s.context_tokens) for s in steps))
+        contexts = {"context_tokens": ctx, "context_len": ctx_len}
     return {
-        "context_tokens": ctx, "context_len": ctx_len, "action_tokens": act,
+        **contexts, "action_tokens": act,
         "action_logprobs": logp, "action_mask": mask,
         "policy_version": np.array([s.policy_version for s in steps], dtype=np.int32),
         "feedback": np.array([s.feedback for s in steps], dtype=np.float32),
@@ -85,6 +104,24 @@ def segment_arrays(seg: ClosedSegment) -> dict[str, np.ndarray]:
         "bootstrap_len": np.array([len(boot)], dtype=np.int32),
         "terminal": np.array([1 if seg.terminal else 0], dtype=np.uint8),
     }
+
+
+def segment_sequence(arrays: Mapping[str, np.ndarray]) -> list[int] | None:
+    """A one-sequence segment's tokens (every context and action once); None: the segment
+    keeps one context per step (see :func:`segment_arrays`)."""
+    if "sequence_tokens" not in arrays:
+        return None
+    return arrays["sequence_tokens"][0, : int(arrays["sequence_len"][0])].tolist()
+
+
+def segment_contexts(arrays: Mapping[str, np.ndarray]) -> list[list[int]]:
+    """Each step's context, from either layout of :func:`segment_arrays`."""
+    lengths = [int(n) for n in arrays["context_len"]]
+    sequence = segment_sequence(arrays)
+    if sequence is not None:
+        return [sequence[:n] for n in lengths]
+    tokens = arrays["context_tokens"]
+    return [tokens[i, :n].tolist() for i, n in enumerate(lengths)]
 
 
 def segment_id(run_id: str, seg: ClosedSegment) -> str:
@@ -115,6 +152,31 @@ def segment_closed(seg: ClosedSegment, segment_id: str, ref: SegmentRef, *, run_
     )
 
 
+def segment_boundary(config: SegmenterConfig, length: int, *, ended: bool, milestone: bool,
+                     state_changed: bool, context_full: bool = False) -> BoundaryReason | None:
+    """Where a trajectory's segments close: THE rule, asked by everyone who needs it.
+
+    ``length`` counts the steps of the open segment, the step in question included; the
+    flags are that step's (``ended``: done or truncated; ``context_full``: its next
+    segment context would pass the policy's token budget). A segment closes when the
+    trajectory ends, at a milestone (``close_on_milestone``), at a significant state change
+    (``close_on_state_change``), at ``max_segment_steps`` steps, or when its context is
+    full; None: it stays open. :meth:`SegmenterCore.add` cuts with it, and the sampler asks
+    it while acting (:class:`~gyre_async.core.pacing.SegmentCursor`): where its segment
+    contexts restart and how it paces the opening of segments. Both see the same fields
+    of the same steps, so they cut at the same places (a gap in the steps, which only the
+    segmenter sees, is the one exception; see :meth:`SegmenterCore.add`)."""
+    if ended:
+        return "trajectory-end"
+    if milestone and config.close_on_milestone:
+        return "milestone"
+    if state_changed and config.close_on_state_change:
+        return "state-change"
+    if length >= config.max_segment_steps or context_full:
+        return "max-length"
+    return None
+
+
 def _lower(floor: CommitFloor, partition: int, offset: int) -> None:
     where = (TRAJECTORY_STEP, partition)
     floor[where] = min(floor.get(where, offset), offset)
@@ -143,29 +205,39 @@ class SegmenterCore:
             self.ended.add(closed.trajectory_id)
 
     def add(self, step: TrajectoryStep, where: tuple[int, int]) -> list[ClosedSegment]:
+        """Take one step; the segments it closes. A segment-context step is kept with its
+        whole context (:func:`~gyre_async.core.segment_context.resolve_step`, against the
+        step before it in the open segment); one that does not resolve raises
+        :class:`~gyre_async.core.segment_context.UnresolvedContext` before anything changes
+        (the actor dead-letters it)."""
         tid = step.trajectory_id
         if tid in self.ended or step.step_index < self.next_step.get(tid, 0):
             return []  # already segmented (redelivery after a restart)
-        self.partition_of[tid] = where[0]
-        seg = self.open.setdefault(tid, OpenSegment())
-        if seg.steps and step.step_index <= seg.steps[-1].step_index:
+        seg = self.open.get(tid)
+        if seg is not None and seg.steps and step.step_index <= seg.steps[-1].step_index:
             return []  # duplicate within the open segment
-        if seg.steps and step.step_index != seg.steps[-1].step_index + 1:
-            # A gap (a step lost upstream, e.g. dead-lettered): a segment covers contiguous
-            # steps only, so cut before the gap and start a new segment at this step.
-            return [self._close(tid, "max-length", terminal=False)] + self.add(step, where)
+        gap = seg is not None and bool(seg.steps) \
+            and step.step_index != seg.steps[-1].step_index + 1
+        step = resolve_step(step, seg.steps[-1] if seg and seg.steps and not gap else None)
+        self.partition_of[tid] = where[0]
+        closed: list[ClosedSegment] = []
+        if gap:
+            # A step lost upstream (e.g. dead-lettered): a segment covers contiguous steps
+            # only, so cut before the gap and start a new segment at this step.
+            closed.append(self._close(tid, "max-length", terminal=False))
+        seg = self.open.setdefault(tid, OpenSegment())
         seg.steps.append(step)
         seg.offsets.append(where)
-        if step.done or step.truncated:  # a capped episode is lost when the cap is the task's
-            ended = step.done or self.config.cap_ends_episode
-            return [self._close(tid, "trajectory-end", terminal=ended)]
-        if step.milestones and self.config.close_on_milestone:
-            return [self._close(tid, "milestone", terminal=False)]
-        if step.state_changed and self.config.close_on_state_change:
-            return [self._close(tid, "state-change", terminal=False)]
-        if len(seg.steps) >= self.config.max_segment_steps:
-            return [self._close(tid, "max-length", terminal=False)]
-        return []
+        boundary = segment_boundary(self.config, len(seg.steps),
+                                    ended=step.done or step.truncated,
+                                    milestone=bool(step.milestones),
+                                    state_changed=step.state_changed,
+                                    context_full=step.context_full)
+        if boundary is None:
+            return closed
+        # a capped episode is lost when the cap is the task's
+        terminal = boundary == "trajectory-end" and (step.done or self.config.cap_ends_episode)
+        return [*closed, self._close(tid, boundary, terminal=terminal)]
 
     def abort(self, error: EnvError) -> list[ClosedSegment]:
         """An environment failure ends the trajectory: close what is open, as truncated

@@ -87,11 +87,24 @@ class Policy(abc.ABC):
     """
 
     version: int = 0
+    #: context tokens acting computed (prefill), and those it took from a cache instead
+    prefill_computed: int = 0
+    prefill_reused: int = 0
 
     @abc.abstractmethod
     def act_batch(self, contexts: list[list[int]], params: SamplingParams,
-                  seed: int | None = None) -> list[Action]:
-        """Generate one action per context (token ids, e.g. from ContextBuilder)."""
+                  seed: int | None = None, sessions: list[str | None] | None = None
+                  ) -> list[Action]:
+        """Generate one action per context (token ids, e.g. from ContextBuilder).
+
+        ``sessions`` (one per context, or None) names the episode each context belongs to.
+        A backend that keeps keys/values between calls reuses a session's cached prefix
+        when its new context extends it (segment contexts, ``policy.context = "segment"``);
+        the actions are those it would take without the cache."""
+
+    def forget_session(self, session: str) -> None:
+        """Drop what is cached for ``session`` (its episode ended). Nothing by default."""
+        return None
 
     @abc.abstractmethod
     def evaluate(self, contexts: list[list[int]], actions: list[list[int]]) -> EvalOutput:

@@ -21,6 +21,13 @@ oldest material goes first:
 
 The same inputs always give the same tokens (the sampler records them in ``TrajectoryStep``
 and the learner re-evaluates exactly those).
+
+Segment contexts (``mode = "segment"``, ``policy.context``) are one append-only sequence per
+training segment instead: :meth:`ContextBuilder.opening` is the context of a segment's
+first step (the window above with no past turns: prompt, milestone summary, observation),
+and :meth:`ContextBuilder.continuation` what the next step appends after the action's own
+tokens, so every context is an exact prefix of the next one. Where a segment, and so its
+context, closes is not decided here (``gyre_async.core.segmenter.segment_boundary``).
 """
 
 from __future__ import annotations
@@ -34,9 +41,12 @@ class ContextBuilder:
     """Build bounded token contexts from observations, recent turns and a summary."""
 
     def __init__(self, tokenizer: BaseTokenizer, max_tokens: int, history_turns: int,
-                 summary_max_tokens: int | None = None):
+                 summary_max_tokens: int | None = None, mode: str = "window"):
         if history_turns < 0:
             raise ValueError("ContextBuilder: history_turns must be >= 0")
+        if mode not in ("window", "segment"):
+            raise ValueError(f"ContextBuilder: mode {mode!r} is neither 'window' nor 'segment'")
+        self.mode = mode
         self.tokenizer = tokenizer
         self.max_tokens = max_tokens
         self.history_turns = history_turns
@@ -88,6 +98,28 @@ class ContextBuilder:
             out.extend(tokens)
         out.extend(current)
         return out
+
+
+    @property
+    def segments(self) -> bool:
+        """True when contexts are segment sequences (see the module docstring)."""
+        return self.mode == "segment"
+
+    def opening(self, observation: str, milestone_summary: str = "") -> list[int]:
+        """The context of a segment's first step: prompt, summary, the observation."""
+        return self.build(observation, (), milestone_summary)
+
+    def continuation(self, action_tokens: Sequence[int], observation: str) -> list[int]:
+        """What a segment context appends after an action's own tokens to become the next
+        step's context: ``<obs> observation <act>``. An end-of-turn token the action ended
+        with is not repeated when the observation marker begins with it (a chat model's
+        ``<|im_end|>``). The observation is not shortened: a context that would pass
+        ``max_tokens`` closes the segment instead (its next context is an opening)."""
+        t = self.tokenizer
+        marker = self._obs
+        if marker and action_tokens and action_tokens[-1] == marker[0]:
+            marker = marker[1:]
+        return [*marker, *t.encode(t.format_observation(observation)), *self._act]
 
 
 def summarize_milestones(names: Sequence[str], last: int = 4) -> str:

@@ -236,6 +236,14 @@ class HFPolicy(CausalLMPolicy):
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         return self._model.lm.get_output_embeddings()(h)
 
+    def _cache_layers(self, cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(layer.keys, layer.values) for layer in cache.layers]
+
+    def _as_cache(self, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+        from transformers.cache_utils import DynamicCache
+
+        return DynamicCache(ddp_cache_data=layers, config=self._model.lm.config)
+
     def _value(self, h_last: torch.Tensor) -> torch.Tensor:
         return self._model.value_head(h_last).squeeze(-1)
 
@@ -257,6 +265,7 @@ class HFPolicy(CausalLMPolicy):
         lm_part = {k: v for k, v in state_dict.items() if not k.startswith(VALUE_HEAD)}
         head = {k[len(VALUE_HEAD):]: v for k, v in state_dict.items() if k.startswith(VALUE_HEAD)}
         with self._lock:
+            self.forget_sessions()  # keys/values of the old weights
             if self.lora is not None:
                 load_adapter_state(self._model.lm, lm_part)
                 self._model.value_head.load_state_dict(head, strict=True)

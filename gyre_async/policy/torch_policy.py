@@ -10,6 +10,22 @@ context's log-probs and value do not depend on what it is batched with (tested t
 ``evaluate`` lays actions out right after that column, so it sees exactly the tokens and
 positions that ``act_batch`` saw when it sampled them.
 
+Segment contexts (``policy.context = "segment"``) make each step's context an exact prefix
+of the next one's. Two things follow:
+
+- **Acting reuses the prefix.** ``act_batch`` called with ``sessions`` keeps, per session
+  (an episode), the keys/values of what it has computed (context and action tokens), and
+  the next call computes only the tokens past the longest prefix they share. The cached
+  columns of a batch are laid out before the new ones (``[pad | cached][pad | new]``, the
+  mask marking real tokens), so positions and visibility are those of the whole context.
+  A new policy version (any ``load_state_dict``) drops every cached session; so does the
+  end of an episode (:meth:`forget_session`). ``prefill_computed`` / ``prefill_reused``
+  count context tokens computed and taken from the cache.
+- **The learner reads a segment once.** :meth:`CausalLMPolicy.evaluate_sequences` runs one
+  forward pass over a segment's whole sequence and reads every step's value (at its last
+  context token) and its action's log-probs (at the positions that predict them) off it;
+  equal, to float32 rounding, to :meth:`evaluate` of each step's context apart.
+
 Action vocabulary: ``ModelConfig.action_token_ids`` (when not empty) restricts what the
 policy may generate to those tokens plus ``<eos>``; otherwise every non-special token and
 ``<eos>`` may be generated. The restriction is part of the policy (applied in ``act_batch``
@@ -21,7 +37,9 @@ from __future__ import annotations
 
 import abc
 import threading
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -159,8 +177,29 @@ def _behaviour_logp(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     return logp
 
 
+@dataclass
+class _Session:
+    """One episode's cached keys/values: ``layers[l]`` is (keys, values) [H, T, D] of the
+    ``tokens`` (its context so far and the action tokens fed back)."""
+
+    tokens: list[int]
+    layers: list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def _shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
 class CausalLMPolicy(Policy):
     """Batched acting/evaluation over any causal LM with a value head (see module doc)."""
+
+    #: sessions whose keys/values are kept at most (least recently used dropped first);
+    #: the sampler forgets each at its episode's end, so live ones are its environments
+    max_sessions = 64
 
     def __init__(self, tokenizer: BaseTokenizer, vocab_size: int, max_len: int,
                  action_token_ids: Sequence[int] = (), seed: int = 0):
@@ -178,6 +217,7 @@ class CausalLMPolicy(Policy):
         self.device = torch.device("cpu")  # where the model's weights are (see ``to``)
         self._generator = torch.Generator().manual_seed(seed)
         self._lock = threading.RLock()
+        self._sessions: OrderedDict[str, _Session] = OrderedDict()
 
     def to(self, device: str | torch.device, dtype: torch.dtype | None = None
            ) -> CausalLMPolicy:
@@ -186,6 +226,7 @@ class CausalLMPolicy(Policy):
         sampling draws on the CPU with the policy's seeded generator, so a run's samples do
         not depend on the device. Log-probs are taken in float32 whatever ``dtype`` is."""
         with self._lock:
+            self.forget_sessions()
             self.model.to(device=device, dtype=dtype)
             self.device = torch.device(device)
             self.allowed = self.allowed.to(self.device)
@@ -204,6 +245,14 @@ class CausalLMPolicy(Policy):
     @abc.abstractmethod
     def _logits(self, h: torch.Tensor) -> torch.Tensor: ...
 
+    def _cache_layers(self, cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer (keys, values) [B, H, T, D] of what ``_forward`` returned as cache."""
+        return list(cache)
+
+    def _as_cache(self, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+        """The model's cache object holding ``layers`` (inverse of ``_cache_layers``)."""
+        return layers
+
     @abc.abstractmethod
     def _value(self, h_last: torch.Tensor) -> torch.Tensor: ...
 
@@ -220,22 +269,25 @@ class CausalLMPolicy(Policy):
         return width
 
     def act_batch(self, contexts: list[list[int]], params: SamplingParams,
-                  seed: int | None = None) -> list[Action]:
+                  seed: int | None = None, sessions: list[str | None] | None = None
+                  ) -> list[Action]:
         if not contexts:
             return []
+        if sessions is not None and len(sessions) != len(contexts):
+            raise ValueError("act_batch: one session (or None) per context")
         n_new = params.max_action_tokens
-        width = self._check(contexts, n_new)
+        self._check(contexts, n_new)
         gen = torch.Generator().manual_seed(seed) if seed is not None else self._generator
         with self._lock, torch.inference_mode():
-            ids, mask = _left_pad(contexts, width, self.tokenizer.pad_id)
-            ids = torch.cat([ids, torch.full((len(contexts), n_new), self.tokenizer.pad_id)], 1)
-            mask = torch.cat([mask, torch.zeros((len(contexts), n_new), dtype=torch.bool)], 1)
-            ids, mask = ids.to(self.device), mask.to(self.device)
+            ids, mask, past = self._prompt(contexts, sessions, n_new)
+            width = ids.shape[1] - n_new
+            start = past.shape[1] if isinstance(past, torch.Tensor) else 0
             tokens: list[list[int]] = [[] for _ in contexts]
             behaviour: list[list[float]] = [[] for _ in contexts]
             raw: list[list[float]] = [[] for _ in contexts]
             live = torch.ones(len(contexts), dtype=torch.bool, device=self.device)
-            hidden, cache = self._forward(ids[:, :width], mask[:, :width])
+            hidden, cache = self._forward(ids[:, start:width], mask[:, :width],
+                                          self._past_cache(past, sessions, contexts))
             for j in range(n_new):
                 if j:  # one new column, attending to the cached ones
                     hidden, cache = self._forward(ids[:, width + j - 1:width + j],
@@ -263,9 +315,87 @@ class CausalLMPolicy(Policy):
                 live &= ~torch.isin(choice, self.stops)
                 if not live.any():
                     break
+            if sessions is not None:
+                self._keep(sessions, ids, mask, cache)
         return [Action(tokens=t, logprobs=b, policy_logprobs=r, policy_version=self.version,
                        text=self.tokenizer.decode(t).strip())
                 for t, b, r in zip(tokens, behaviour, raw)]
+
+    # -- sessions: keys/values kept between an episode's steps ------------------------------
+    def _prompt(self, contexts: list[list[int]], sessions: list[str | None] | None,
+                n_new: int) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """ids and mask [B, P + S + n_new] of a batch whose first P columns are reused from
+        cached sessions (right-aligned, ``[pad | cached]``) and the next S are computed
+        (left-padded, ``[pad | new]``); ``past`` is the [B, P] mask of the reused columns
+        (an int 0 when nothing is reused). The reused columns' ids are the real tokens (never
+        fed to the model: they only say what a session then holds)."""
+        reuse = [0] * len(contexts)
+        if sessions is not None:
+            for i, (context, session) in enumerate(zip(contexts, sessions)):
+                kept = self._sessions.get(session) if session is not None else None
+                if kept is not None:
+                    reuse[i] = min(_shared_prefix(kept.tokens, context), len(context) - 1)
+        self.prefill_reused += sum(reuse)
+        self.prefill_computed += sum(len(c) - r for c, r in zip(contexts, reuse))
+        pad = self.tokenizer.pad_id
+        width_p = max(reuse)
+        new_ids, new_mask = _left_pad([c[r:] for c, r in zip(contexts, reuse)],
+                                      max(len(c) - r for c, r in zip(contexts, reuse)), pad)
+        old_ids = torch.full((len(contexts), width_p), pad, dtype=torch.long)
+        old_mask = torch.zeros((len(contexts), width_p), dtype=torch.bool)
+        for i, (context, r) in enumerate(zip(contexts, reuse)):
+            if r:
+                old_ids[i, width_p - r:] = torch.as_tensor(context[:r], dtype=torch.long)
+                old_mask[i, width_p - r:] = True
+        ids = torch.cat([old_ids, new_ids, torch.full((len(contexts), n_new), pad)], 1)
+        mask = torch.cat([old_mask, new_mask,
+                          torch.zeros((len(contexts), n_new), dtype=torch.bool)], 1)
+        past: Any = old_mask.to(self.device) if width_p else 0
+        return ids.to(self.device), mask.to(self.device), past
+
+    def _past_cache(self, past: Any, sessions: list[str | None] | None,
+                    contexts: list[list[int]]) -> Any:
+        """The model cache of the reused columns (None when nothing is reused)."""
+        if not isinstance(past, torch.Tensor):
+            return None
+        assert sessions is not None
+        reused = past.sum(1).tolist()
+        width_p = past.shape[1]
+        first = next(self._sessions[s] for s, r in zip(sessions, reused) if r and s)
+        layers = []
+        for layer, (k0, v0) in enumerate(first.layers):
+            keys = k0.new_zeros((len(contexts), k0.shape[0], width_p, k0.shape[2]))
+            values = v0.new_zeros((len(contexts), v0.shape[0], width_p, v0.shape[2]))
+            for i, (session, r) in enumerate(zip(sessions, reused)):
+                if r and session is not None:
+                    k, v = self._sessions[session].layers[layer]
+                    keys[i, :, width_p - r:] = k[:, :r]
+                    values[i, :, width_p - r:] = v[:, :r]
+            layers.append((keys, values))
+        return self._as_cache(layers)
+
+    def _keep(self, sessions: list[str | None], ids: torch.Tensor, mask: torch.Tensor,
+              cache: Any) -> None:
+        """Keep each session's real columns of ``cache`` (its context and the action tokens
+        fed back), replacing what it held; the least recently used go past the bound."""
+        layers = self._cache_layers(cache)
+        width = layers[0][0].shape[2]
+        for i, session in enumerate(sessions):
+            if session is None:
+                continue
+            real = mask[i, :width]
+            kept = [(k[i][:, real].clone(), v[i][:, real].clone()) for k, v in layers]
+            self._sessions[session] = _Session(ids[i, :width][real].tolist(), kept)
+            self._sessions.move_to_end(session)
+        while len(self._sessions) > self.max_sessions:
+            self._sessions.popitem(last=False)
+
+    def forget_session(self, session: str) -> None:
+        self._sessions.pop(session, None)
+
+    def forget_sessions(self) -> None:
+        """Drop every cached session (the weights changed: their keys/values are stale)."""
+        self._sessions.clear()
 
     def evaluate(self, contexts: list[list[int]], actions: list[list[int]]) -> EvalOutput:
         if len(contexts) != len(actions):
@@ -286,6 +416,53 @@ class CausalLMPolicy(Policy):
         # Padding slots gather <eos> (always allowed, so finite) and are then zeroed; the
         # entropy's 0 * -inf terms are written as 0 * 0 so no gradient becomes NaN.
         index = torch.where(act_mask, act_ids, self.tokenizer.eos_id)
+        chosen = logp.gather(2, index[..., None]).squeeze(2)
+        entropy = -(logp.exp() * logp.masked_fill(~self.allowed.cpu(), 0.0)).sum(-1)
+        m = act_mask.to(chosen.dtype)
+        return EvalOutput(logprobs=chosen * m, entropy=entropy * m, values=values, mask=m)
+
+    def evaluate_sequences(self, sequences: Sequence[Sequence[int]],
+                           decisions: Sequence[Sequence[tuple[int, int]]]) -> EvalOutput:
+        """:meth:`evaluate` of many steps, read off one forward pass per sequence, with grad.
+
+        ``sequences[b]`` is a segment's whole token sequence (every step's context and
+        action: each context a prefix of the next); ``decisions[b]`` lists its steps as
+        (context length, action length), the action's tokens being the sequence's next
+        ones. Rows come out in that order (sequence by sequence, step by step). A step's
+        value is read at its last context token, its action's log-probs at the positions
+        that predict them: what :meth:`evaluate` gives for the step's context and action
+        (to float32 rounding: other shapes, other summation order)."""
+        if len(sequences) != len(decisions) or not sequences:
+            raise ValueError("evaluate_sequences: one list of decisions per sequence")
+        self._check(sequences, 0)
+        seq_of, ctx_len, act_len = [], [], []
+        for b, (sequence, steps) in enumerate(zip(sequences, decisions)):
+            for n_ctx, n_act in steps:
+                if n_ctx < 1 or n_ctx + n_act > len(sequence):
+                    raise ValueError(f"decision ({n_ctx}, {n_act}) lies outside its sequence "
+                                     f"of {len(sequence)} tokens")
+                seq_of.append(b)
+                ctx_len.append(n_ctx)
+                act_len.append(n_act)
+        width = max(len(s) for s in sequences)
+        ids = torch.full((len(sequences), width), self.tokenizer.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(sequences), width), dtype=torch.bool)
+        for b, sequence in enumerate(sequences):  # right padding: one sequence per row
+            ids[b, :len(sequence)] = torch.as_tensor(list(sequence), dtype=torch.long)
+            mask[b, :len(sequence)] = True
+        n_act = max(max(act_len), 1)
+        rows = torch.tensor(seq_of)
+        first = torch.tensor(ctx_len) - 1  # the last context token: value, first action logit
+        columns = (first[:, None] + torch.arange(n_act)[None, :]).clamp(max=width - 1)
+        act_mask = torch.arange(n_act)[None, :] < torch.tensor(act_len)[:, None]
+        targets = ids[rows[:, None], (columns + 1).clamp(max=width - 1)]
+        with self._lock:
+            hidden, _ = self._forward(ids.to(self.device), mask.to(self.device))
+            rows_d, first_d = rows.to(self.device), first.to(self.device)
+            values = self._value(hidden[rows_d, first_d]).float().cpu()
+            picked = hidden[rows_d[:, None], columns.to(self.device)]
+            logp = self._logp(self._logits(picked)).cpu()
+        index = torch.where(act_mask, targets, self.tokenizer.eos_id)
         chosen = logp.gather(2, index[..., None]).squeeze(2)
         entropy = -(logp.exp() * logp.masked_fill(~self.allowed.cpu(), 0.0)).sum(-1)
         m = act_mask.to(chosen.dtype)
@@ -318,6 +495,7 @@ class CausalLMPolicy(Policy):
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         with self._lock:
+            self.forget_sessions()
             self.model.load_state_dict(state_dict, strict=True)
 
 

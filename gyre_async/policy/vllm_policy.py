@@ -31,7 +31,11 @@ version's adapter is folded into the base weights (:func:`lora.merge_adapter`) a
 as full weights are: on vLLM's CPU backend an adapter made acting 4x slower.
 
 The prefix cache is reset after every reload: blocks cached under the old weights would
-otherwise be reused for a context seen before, mixing two versions in one action.
+otherwise be reused for a context seen before, mixing two versions in one action. It is on
+(``enable_prefix_caching``, asked for explicitly, not left to the engine's default): with
+segment contexts (``policy.context = "segment"``) each step's prompt extends the previous
+one, and the engine reuses the cached blocks of that prefix. What it reused is counted from
+each request's ``num_cached_tokens`` (``prefill_reused``; the rest ``prefill_computed``).
 
 Log-probs follow :mod:`.base`: the engine runs with ``logprobs_mode="processed_logprobs"``,
 so each sampled token's log-prob is taken from the distribution it was drawn from (after
@@ -190,6 +194,7 @@ class VLLMPolicy(Policy):
             # prompts at once (a validation batch of 64) killed the engine with "CPU
             # Generator does not use offset". Whole prompts only, then.
             engine_kwargs = {"enable_chunked_prefill": False, **engine_kwargs}
+        engine_kwargs = {"enable_prefix_caching": True, **engine_kwargs}
         if self.lora is not None and lora_serving == "adapter":
             engine_kwargs = {"enable_lora": True, "max_loras": 1,
                              "max_lora_rank": engine_lora_rank(self.lora.rank), **engine_kwargs}
@@ -217,7 +222,10 @@ class VLLMPolicy(Policy):
         return self._adapter
 
     def act_batch(self, contexts: list[list[int]], params: SamplingParams,
-                  seed: int | None = None) -> list[Action]:
+                  seed: int | None = None, sessions: list[str | None] | None = None
+                  ) -> list[Action]:
+        """``sessions`` are not needed: the engine's prefix cache finds a shared prefix by
+        content (blocks hashed by their tokens)."""
         if not contexts:
             return []
         # One seed per request: equal contexts in one batch must not draw equal actions.
@@ -228,7 +236,10 @@ class VLLMPolicy(Policy):
                                     lora_request=self._adapter)
         same = not params.greedy and params.temperature == 1.0 and params.top_p == 1.0
         actions = []
-        for out in outputs:
+        for out, context in zip(outputs, contexts):
+            cached = min(int(getattr(out, "num_cached_tokens", 0) or 0), len(context))
+            self.prefill_reused += cached
+            self.prefill_computed += len(context) - cached
             completion = out.outputs[0]
             tokens = list(completion.token_ids)
             if params.greedy:

@@ -317,6 +317,9 @@ class PolicyVersion(Event, tag="policy-version", frozen=True, kw_only=True):
     #: split over another number of threads may add up in another order, so ``gyre replay
     #: learner`` re-derives the digest with as many
     batch_threads: int = 0
+    #: content hashes of the elite pool's segments mixed into that batch, after the trained
+    #: ones (``gyre_async.experience.elite``; ``gyre replay learner`` rebuilds them)
+    elite_segments: list[str] = []
 
     def __post_init__(self) -> None:
         _non_negative("version", self.version)

@@ -92,3 +92,37 @@ def test_replay_recomputes_the_digest_the_learner_published_bit_for_bit(tmp_path
         replayed = prepare_batch(replayer, items, s.gamma, s.lam, unknown, s.credit,
                                  s.fusion_max_weight, s.mask_failed)  # as gyre replay does
         assert replayed.digest == result.advantage_digest
+
+
+def test_replay_rebuilds_the_elite_segments_an_update_mixed_in(tiny):
+    """With the elite pool on, an update's batch holds segments that never came from the
+    bus: the update names them (``elite_segments``) and the replay rebuilds them, from the
+    pool or, once evicted, from their source segments."""
+    import asyncio
+
+    from gyre_async.audit.replay import replay_learner
+    from gyre_async.bus import open_bus
+    from gyre_async.bus.reading import read_events
+    from gyre_async.runtime.loop import run_loop
+    from schemas.events import PolicyVersion
+    from schemas.topics import POLICY_VERSION
+
+    cfg = tiny.config(elite={"capacity": 32, "mix_share": 0.5, "jump_threshold": 1e-4})
+    asyncio.run(run_loop(cfg, progress=False))
+    url = f"sqlite:///{cfg.run.run_dir}/events.db"
+
+    async def audit():
+        async with open_bus(url) as bus:
+            updates = [e async for _, e in read_events(bus, [POLICY_VERSION])
+                       if isinstance(e, PolicyVersion) and e.reason == "update"]
+            return updates, await replay_learner(bus, cfg)
+
+    updates, report = asyncio.run(audit())
+    mixed = {h for u in updates for h in u.elite_segments}
+    assert mixed, "no update mixed elite segments in: the test would prove nothing"
+    assert report.differences == 0 and report.replayed_outputs == len(updates), report
+
+    pool = SegmentStore(f"{cfg.run.run_dir}/elite.zarr")
+    pool.delete([h for h in mixed if pool.contains(h)])  # evicted since
+    _, report = asyncio.run(audit())
+    assert report.differences == 0 and report.replayed_outputs == len(updates), report

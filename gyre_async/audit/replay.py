@@ -8,6 +8,7 @@ lists outputs that are missing, extra, or changed (field by field); timestamps a
 from __future__ import annotations
 
 import asyncio
+import math
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -150,6 +151,36 @@ def report_json(report: ReplayReport) -> bytes:
     return msgspec.json.format(msgspec.json.encode(report.to_dict()), indent=2)
 
 
+def _elite_items(cfg: Config, hashes: list[str], scored: dict, store) -> list | None:
+    """The elite segments an update mixed in (content hashes, in its order) as the learner
+    trained them: from the run's elite pool, or from their source segment once the pool
+    evicted them (the same content: the pool's id is the source's content hash). None when
+    one is in neither any more."""
+    from gyre_async.core.learner_batch import BatchItem
+    from gyre_async.experience.elite import elite_scored, entry_arrays
+    from gyre_async.storage.errors import SegmentStoreError
+    from gyre_async.storage.segments import SegmentStore
+
+    if not hashes:
+        return []
+    pool = SegmentStore(cfg.elite.store or f"{cfg.run.run_dir}/elite.zarr", read_only=True)
+    sources = {s.content_hash: s for s in scored.values()}
+    items = []
+    for h in hashes:
+        try:
+            if pool.contains(h):
+                [arrays] = pool.read_many([pool.address(h)])
+            elif h in sources:
+                [source] = store.read_many([sources[h].address])
+                arrays = entry_arrays(sources[h], source)
+            else:
+                return None
+        except SegmentStoreError:
+            return None
+        items.append(BatchItem(elite_scored(pool.address(h), h, arrays), arrays))
+    return items
+
+
 def _with_threads(threads: int, work: Callable[[], T]) -> T:
     """``work()`` on as many torch intra-op threads as the learner had (0: unrecorded, as
     they are): a reduction split over another number of threads may add up in another order."""
@@ -216,17 +247,23 @@ async def replay_learner(recorded: Bus, cfg: Config) -> ReplayReport:
             report.missing.append(update.event_id)
             continue
         items = [BatchItem(s, a) for s, a in zip(segments, arrays)]
-        work = partial(prepare_batch, policy, items, settings.gamma, settings.lam, global_adv,
-                       settings.credit, settings.fusion_max_weight, settings.mask_failed)
+        elite = await asyncio.to_thread(_elite_items, cfg, update.elite_segments, scored, store)
+        if elite is None:  # neither in the pool nor in the segment store any more
+            report.missing.append(update.event_id)
+            continue
+        global_adv = [*global_adv, *[math.nan] * len(elite)]  # none: their own trajectories
+        work = partial(prepare_batch, policy, [*items, *elite], settings.gamma, settings.lam,
+                       global_adv, settings.credit, settings.fusion_max_weight,
+                       settings.mask_failed)
         prep = await asyncio.to_thread(_with_threads, update.batch_threads, work)
         report.replayed_outputs += 1
         fields: dict[str, dict[str, Any]] = {}
         if prep.digest != update.advantage_digest:
             fields["advantage_digest"] = {"recorded": update.advantage_digest,
                                           "replayed": prep.digest}
-        if update.fusion_weights and update.fusion_weights != prep.fusion_weights:
-            fields["fusion_weights"] = {"recorded": update.fusion_weights,
-                                        "replayed": prep.fusion_weights}
+        weights = prep.fusion_weights[:len(items)]  # the learner records the trained ones'
+        if update.fusion_weights and update.fusion_weights != weights:
+            fields["fusion_weights"] = {"recorded": update.fusion_weights, "replayed": weights}
         if fields:
             report.changed.append({"event_id": update.event_id, "version": update.version,
                                    "fields": fields})

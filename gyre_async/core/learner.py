@@ -97,6 +97,7 @@ class TrainResult:
     skipped: bool  # the critic's advantage alarm refused the update (weights untouched)
     trained_segments: list[str]  # the fresh segments (elite ones never came from the bus)
     threads: int = 0  # torch's intra-op threads that computed the batch (replay uses as many)
+    elite_segments: tuple[str, ...] = ()  # content hashes of the elite segments mixed in
 
 
 #: what every segment's arrays must hold, one row per step (the rest is per segment)
@@ -365,7 +366,8 @@ class LearnerCore:
 
         def result(metrics: dict[str, float], skipped: bool) -> TrainResult:
             return TrainResult(metrics, prep.digest, prep.fusion_weights[:len(fresh)],
-                               skipped, [b.scored.segment_id for b in fresh], threads)
+                               skipped, [b.scored.segment_id for b in fresh], threads,
+                               tuple(it.scored.content_hash for it in elite))
 
         if not self.critic.initialised:
             self.critic.start(self.policy, prep.rewards, [
@@ -446,6 +448,7 @@ class LearnerCore:
             trained_segments=list(update.trained_segments) if update else [],
             advantage_digest=update.advantage_digest if update else "",
             fusion_weights=list(update.fusion_weights) if update else [],
-            batch_threads=update.threads if update else 0)
+            batch_threads=update.threads if update else 0,
+            elite_segments=list(update.elite_segments) if update else [])
         self.version = version
         return event

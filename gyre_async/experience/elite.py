@@ -36,9 +36,11 @@ are trained like the rest of the batch:
   ``min(pi_prox / pi_behaviour, learner.is_cap)``.
 
 Audit: ``policy-version.trained_segments`` lists the fresh segments only (the elite ones
-are not consumed from the bus), while the recorded advantage digest covers the whole batch,
-so ``gyre replay learner`` reports a digest difference for updates that mixed elite
-segments: audit credit assignment with the pool off.
+are not consumed from the bus) and ``policy-version.elite_segments`` the content hashes of
+the elite ones mixed in after them; the recorded advantage digest covers the whole batch,
+so ``gyre replay learner`` rebuilds each elite segment as the learner trained it
+(:func:`elite_scored`): from the pool's copy, or, once evicted, from its source segment
+(:func:`entry_arrays`).
 """
 
 from __future__ import annotations
@@ -135,9 +137,7 @@ class ElitePool:
             entry = EliteEntry(h, kind, self._next_seq, jump, len(scored.step_rewards))
             self._next_seq += 1
             self.entries[h] = entry
-            new.append((h, {**arrays,
-                            "elite_rewards": np.asarray(scored.step_rewards, np.float32),
-                            "elite_meta": np.array([kind, entry.seq, jump], np.float64)}))
+            new.append((h, entry_arrays(scored, arrays, kind, entry.seq, jump)))
         gone = evictions(list(self.entries.values()), self.capacity)
         for e in gone:
             del self.entries[e.content_hash]
@@ -180,20 +180,34 @@ class ElitePool:
         return [(self._scored(h, a), a) for h, a in zip(chosen, arrays)]
 
     def _scored(self, h: str, arrays: dict[str, np.ndarray]) -> Scored:
-        rewards = [float(r) for r in arrays["elite_rewards"]]
-        entry = self.entries[h]
-        return Scored(
-            event_id=f"elite-{h}", run_id="", producer="elite-pool", key=h,
-            segment_id=f"{ELITE_PREFIX}{h}", trajectory_id=f"{ELITE_PREFIX}{h}", task_id="",
-            address=self.store.address(h), content_hash=h, step_start=0, step_end=len(rewards),
-            min_policy_version=int(arrays["policy_version"].min()),
-            trajectory_done=bool(arrays["terminal"][0]), success=entry.kind == KIND_SUCCESS,
-            components={"elite": 1.0}, step_rewards=rewards, total=float(sum(rewards)),
-            decided_by="elite-pool")
+        return elite_scored(self.store.address(h), h, arrays)
 
     def stats(self) -> dict[str, float]:
         return {"elite/size": float(len(self.entries)), "elite/added": float(self.added),
                 "elite/evicted": float(self.evicted), "elite/mixed_steps": float(self.mixed_steps)}
+
+
+def entry_arrays(scored: Scored, arrays: dict[str, np.ndarray], kind: int = KIND_TURNING,
+                 seq: int = 0, jump: float = 0.0) -> dict[str, np.ndarray]:
+    """A pool entry's arrays: the source segment's, its scored rewards (as float32) and
+    ``[kind, insertion seq, jump]``."""
+    return {**arrays, "elite_rewards": np.asarray(scored.step_rewards, np.float32),
+            "elite_meta": np.array([kind, seq, jump], np.float64)}
+
+
+def elite_scored(address: str, h: str, arrays: dict[str, np.ndarray]) -> Scored:
+    """The ``scored`` event an entry (content hash ``h``, its :func:`entry_arrays`) is
+    trained under: its own trajectory (no outcome advantage), its stored rewards."""
+    rewards = [float(r) for r in arrays["elite_rewards"]]
+    return Scored(
+        event_id=f"elite-{h}", run_id="", producer="elite-pool", key=h,
+        segment_id=f"{ELITE_PREFIX}{h}", trajectory_id=f"{ELITE_PREFIX}{h}", task_id="",
+        address=address, content_hash=h, step_start=0, step_end=len(rewards),
+        min_policy_version=int(arrays["policy_version"].min()),
+        trajectory_done=bool(arrays["terminal"][0]),
+        success=int(arrays["elite_meta"][0]) == KIND_SUCCESS,
+        components={"elite": 1.0}, step_rewards=rewards, total=float(sum(rewards)),
+        decided_by="elite-pool")
 
 
 def open_elite_pool(cfg) -> ElitePool | None:

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -51,7 +50,7 @@ from gyre_async.bus import Bus, Consumer, MessageTooLarge, Record
 from gyre_async.bus.base import TopicPartition
 from gyre_async.errors import is_retriable
 from schemas import DecodeError, Event, decode, encode, event_id
-from schemas.events import DeadLetter, Heartbeat, finite_reading
+from schemas.events import DeadLetter, Heartbeat
 from schemas.topics import DEAD_LETTER, TELEMETRY
 
 log = structlog.get_logger(__name__)
@@ -422,9 +421,10 @@ class ActorRunner:
                                offsets: dict) -> None:
         """Publish (and commit) with retries; a ``MessageTooLarge`` from the bus (a broker
         whose own limit is below ours) refuses the largest output and tries again, so one
-        oversized output never blocks the commit of everything else. Each pass removes an
-        output, so it ends; a dead letter refused too means the broker's limit is below half
-        of ``bus.max_message_bytes``: a configuration error, raised."""
+        oversized output never blocks the commit of everything else: an output is replaced
+        by a dead letter, a dead letter keeps half as much of its original bytes. Each pass
+        shrinks the largest, so it ends; a dead letter with no original bytes refused too
+        means the broker's limit is far below ``bus.max_message_bytes``: raised."""
         while True:
             batches = self._batches(outputs)
             try:
@@ -436,10 +436,19 @@ class ActorRunner:
 
     def _refuse_largest(self, outputs: list[Encoded], exc: MessageTooLarge) -> list[Encoded]:
         largest = max(outputs, key=lambda o: len(o.value), default=None)
-        if largest is None or isinstance(largest.event, DeadLetter):
+        if largest is None:
             raise exc
+        if isinstance(largest.event, DeadLetter):  # it keeps less of the original bytes
+            letter = largest.event
+            if not letter.original:
+                raise exc  # not even a bare dead letter fits: the broker's limit is far below
+            shorter = msgspec.structs.replace(letter,
+                                              original=letter.original[:len(letter.original) // 2])
+            return ([o for o in outputs if o is not largest]
+                    + self._encode([Emit(DEAD_LETTER, shorter)], None))
         reason = (f"output too large: {_tag(largest.event)} event of {len(largest.value)} "
-                  f"bytes for {largest.topic!r} refused by the bus ({exc})")
+                  f"bytes for {largest.topic!r} refused by the broker, whose own limit is "
+                  f"below bus.max_message_bytes ({self.bus.max_message_bytes} bytes)")
         return self._refuse(outputs, largest, reason)
 
     async def _retry_bus(self, call) -> None:
@@ -573,10 +582,7 @@ class ActorRunner:
         stats = {"dead_letters": float(self.dead_letters), "duplicates": float(self.duplicates),
                  "foreign_events": float(self.foreign),
                  "unconsumed": float(unconsumed)}
-        # a stat with no reading (NaN) is left out, an infinite one capped: heartbeats, like
-        # every event, carry finite floats only
-        stats.update({k: finite_reading(v) for k, v in self.actor.stats().items()
-                      if not math.isnan(v)})
+        stats.update(self.actor.stats())
         hb = Heartbeat(
             event_id=event_id("heartbeat", self.run_id, self.name, id(self), self._hb_seq),
             run_id=self.run_id,

@@ -12,7 +12,9 @@ refused before any I/O (:mod:`gyre_async.storage.roots`) and dead-lettered, neve
 A buffered segment whose later processing fails on its own (unreadable, arrays that do not
 match its event, an update that raises) is refused once, visibly (``segment-dropped`` and a
 dead letter with the reason), and leaves the buffer: never kept to fail every later batch.
-Restart: it resumes from its latest ``policy-version`` checkpoint; buffered, untrained
+Restart: it resumes from its latest ``policy-version`` checkpoint (the newest trusted one
+that loads: one announced in its name whose file is missing or corrupt is skipped, so a
+forged announcement cannot keep it from starting); buffered, untrained
 segments are redelivered because the runtime never commits past them (``commit_floor``).
 Data-parallel (``learner.world_size > 1``): this is rank 0, the only learner on the bus;
 ``self.group`` hands each update, rollback and restart to the others (``core.learner_dp``).
@@ -31,7 +33,7 @@ import torch
 from gyre_async import timing
 from gyre_async.audit.credit_log import restore_outcome_book
 from gyre_async.audit.redelivery import recently_trained
-from gyre_async.audit.runlog import current_policy_version
+from gyre_async.audit.runlog import policy_versions_in_force
 from gyre_async.bus import Record
 from gyre_async.compose import build_policy, build_tokenizer, load_weights, save_weights
 from gyre_async.core.learner import Dropped, LearnerCore, TrainResult, VersionReason
@@ -40,12 +42,13 @@ from gyre_async.errors import is_retriable
 from gyre_async.experience.elite import open_elite_pool
 from gyre_async.runtime.actor import Actor, Emit
 from gyre_async.storage.checkpoints import CheckpointStore
+from gyre_async.storage.errors import CheckpointError
 from gyre_async.storage.readable import unreadable_segments
 from gyre_async.storage.roots import StorageRoots
 from gyre_async.storage.store_set import SegmentStores
 from schemas import encode
 from schemas.config import Config
-from schemas.events import RewardFailed, Rollback, Scored
+from schemas.events import PolicyVersion, RewardFailed, Rollback, Scored
 from schemas.topics import KEEPER, POLICY_VERSION, SCORED, TELEMETRY
 
 T = TypeVar("T")
@@ -85,17 +88,38 @@ class Learner(Actor):
 
     async def on_start(self) -> None:
         bus = self.runner.bus
-        latest = await current_policy_version(bus, self.cfg.run.run_id, self.roots.trusts)
+        latest = await self._load_version_in_force()
         if latest is None:
             await self.runner.emit([await self._publish("init", {})])
         else:
-            await asyncio.to_thread(load_weights, self.policy, self.roots.checkpoint_of(latest),
-                                    latest.checkpoint_hash)
             run_id = self.cfg.run.run_id
             book = await restore_outcome_book(bus, self.cfg.sampler.group_size, run_id,
                                               self.cfg.learner.mask_failed)
             self.core.restore(latest, book, await recently_trained(bus, run_id))
         await asyncio.to_thread(self.group.started, self.core, latest is not None)
+
+    async def _load_version_in_force(self) -> PolicyVersion | None:
+        """Load the newest trusted version whose checkpoint loads, and return it (None: the
+        run has none yet). One whose checkpoint is missing, corrupt or non-finite (a
+        version announced in the learner's name by someone else, or damage) is skipped,
+        logged, and the one before it is tried: an event on the bus must not keep the
+        learner from starting. Numbering goes on from the version loaded. If none loads,
+        the newest one's error is raised: the checkpoints themselves are gone."""
+        newest_error: CheckpointError | None = None
+        for version in await policy_versions_in_force(self.runner.bus, self.cfg.run.run_id,
+                                                      self.roots.trusts):
+            try:
+                await asyncio.to_thread(load_weights, self.policy,
+                                        self.roots.checkpoint_of(version),
+                                        version.checkpoint_hash)
+                return version
+            except CheckpointError as exc:
+                self.runner.log.error("learner.version_unloadable", version=version.version,
+                                      producer=version.producer, error=str(exc))
+                newest_error = newest_error or exc
+        if newest_error is not None:
+            raise newest_error
+        return None
 
     async def on_stop(self) -> None:
         await asyncio.to_thread(self.group.stop)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 
-from gyre_async.audit.runlog import current_policy_version
+from gyre_async.audit.runlog import policy_versions_in_force
 from gyre_async.bus.reading import read_events
 from gyre_async.core.resumption import UnfinishedTrajectories
 from gyre_async.core.sampler import SamplerCore
@@ -57,14 +57,18 @@ class Sampler(Actor):
 
     async def on_start(self) -> None:
         await self._take_over_unfinished()
-        latest = await current_policy_version(self.runner.bus, self.cfg.run.run_id,
-                                              self.core.roots.trusts)
-        if latest is not None:
+        # the newest trusted version that loads: one whose checkpoint is missing, corrupt or
+        # non-finite (announced in the learner's name by someone else, or damaged) is
+        # skipped; waiting for a next version instead could wait for good, as the learner
+        # makes none until the sampler acts
+        for version in await policy_versions_in_force(self.runner.bus, self.cfg.run.run_id,
+                                                      self.core.roots.trusts):
             try:
-                await self.core.follow(latest)
-            except CheckpointError as exc:  # corrupt or non-finite: wait for the next version
-                self.runner.log.error("sampler.latest_unloadable", version=latest.version,
-                                      error=str(exc))
+                await self.core.follow(version)
+                break
+            except CheckpointError as exc:
+                self.runner.log.error("sampler.version_unloadable", version=version.version,
+                                      producer=version.producer, error=str(exc))
 
     async def on_stop(self) -> None:
         self.holder.close()

@@ -81,8 +81,14 @@ from gyre_async.runtime.logs import configure_logging  # noqa: E402
 from gyre_async.runtime.topology import RUN_ROLES, actor_class, build_actor  # noqa: E402
 from gyre_async.storage.checkpoints import CheckpointStore  # noqa: E402
 from schemas import DecodeError, decode  # noqa: E402
-from schemas.events import DeadLetter, PolicyVersion  # noqa: E402
-from schemas.topics import ALL_TOPICS, DEAD_LETTER, POLICY_VERSION, TRAJECTORY_STEP  # noqa: E402
+from schemas.events import DeadLetter, PolicyVersion, SegmentClosed  # noqa: E402
+from schemas.topics import (  # noqa: E402
+    ALL_TOPICS,
+    DEAD_LETTER,
+    POLICY_VERSION,
+    SEGMENT_CLOSED,
+    TRAJECTORY_STEP,
+)
 
 PARTITIONS = 2
 #: every role is restarted after the injection: each rebuilds its state from a log that now
@@ -101,6 +107,8 @@ def tiny_config(run_dir: Path, run_id: str):
     data.setdefault("bus", {})["partitions"] = PARTITIONS
     data.setdefault("learner", {}).update(max_versions=0, batch_steps=64, minibatch_steps=64)
     data.setdefault("evaluator", {}).update(episodes=2)
+    # segments as long as the issue's: 64 steps of long action texts do not fit one event
+    data.setdefault("segmenter", {})["max_segment_steps"] = 64
     path = run_dir.parent / "hostile.toml"
     path.write_text(tomli_w.dumps(data))
     return load_config(path)
@@ -304,19 +312,20 @@ async def audit(bus, cfg, refused: set[tuple[str, int, int]]):
             by_topic[record.topic].append((record.partition, record.offset, event))
     committed = {role: await bus.committed(f"{run_id}.{role}", topic)
                  for role, topic in CONSUMED.items()}
-    report = check_run(RunEvents(dict(by_topic), committed),
-                       segment_store=f"{cfg.run.run_dir}/segments.zarr",
+    events = RunEvents(dict(by_topic), committed)
+    report = check_run(events, segment_store=f"{cfg.run.run_dir}/segments.zarr",
                        checkpoint_dir=f"{cfg.run.run_dir}/checkpoints",
                        max_staleness=cfg.loop.max_staleness)
-    return report, undecodable
+    return report, undecodable, events
 
 
 # -- judging each row ---------------------------------------------------------------------------
 
 def judge(row: Row, where, letters: list[DeadLetter], counts: dict[str, dict[str, int]],
-          expected: dict[str, dict[str, int]], keeper_slots: list[str], crafted: bytes) -> dict:
-    """One row's outcome: how the run refused its record, and whether that is the refusal
-    the row demands (``ok``)."""
+          expected: dict[str, dict[str, int]], keeper_slots: list[str], crafted: bytes,
+          segments: dict[str, list[SegmentClosed]]) -> dict:
+    """One row's outcome: how the run refused (or, ``split``, handled) its record, and
+    whether that is what the row demands (``ok``)."""
     roles = sorted({dl.actor for dl in letters})
     out = {"name": row.name, "topic": row.topic, "expect": row.expect,
            "role": ", ".join(row.refusers or consumers(row.topic)), "dead_letters": len(letters)}
@@ -328,6 +337,17 @@ def judge(row: Row, where, letters: list[DeadLetter], counts: dict[str, dict[str
             f"dead-lettered by {', '.join(roles)} only" if roles else "accepted")
         reason = letters[0].reason if letters else f"no dead letter from {', '.join(missing)}"
         return {**out, "outcome": outcome, "reason": reason, "ok": not missing}
+    if row.expect == "split":
+        tid = msgspec.msgpack.decode(crafted)["trajectory_id"]
+        parts = sorted(segments.get(tid, []), key=lambda e: e.step_start)
+        steps = [i for p in parts for i in range(p.step_start, p.step_end)]
+        whole = steps == list(range(msgspec.msgpack.decode(crafted)["step_index"] + 1))
+        return {**out, "role": "segmenter", "outcome": f"split in {len(parts)}"
+                if len(parts) > 1 else f"{len(parts)} segment(s)",
+                "reason": f"announced as {len(parts)} segment-closed events of "
+                          f"{', '.join(str(p.step_end - p.step_start) for p in parts)} "
+                          f"steps, each under the bus limit",
+                "ok": len(parts) > 1 and whole and not letters}
     if row.expect == "not-folded":
         address = msgspec.msgpack.decode(crafted).get("address", "")
         folded = address in keeper_slots
@@ -391,28 +411,30 @@ async def _attack(run: Run, bus, attacker, cfg, rows, outside: Path, cwd: Path,
         state["base"] = {r: {c: run.counter(r, c) for c in ("duplicates", "foreign")}
                          for r in RUN_ROLES}
         v0 = run.version()
-        progress(f"version {v0}: publishing {len(rows)} hostile inputs")
-        for row in rows:
-            crafted = row.craft(scene)
-            await attacker.publish(row.topic, crafted.messages)
-            state["published"][row.name] = (row.topic, crafted.messages[crafted.hostile][1])
-        state["located"] = located = await locate(attacker, state["published"])
+        live = tuple(r for r in rows if r.when == "live")
+        progress(f"version {v0}: publishing {len(live)} hostile inputs")
+        located = await _publish(attacker, scene, live, state)
 
         async def settled() -> bool:
             return run.version() >= v0 + versions_after and \
                 not await committed_past(bus, run_id, located)
         await run.until(settled, "every role committed past the inputs and trained on")
-        progress(f"version {run.version()}: restarting {', '.join(restart)}")
         state["counts"] = {r: {c: run.counter(r, c) - state["base"][r][c]
                                for c in ("duplicates", "foreign")} for r in RUN_ROLES}
         state["pre_restart_version"] = before_restart = run.version()
+        at_restart = tuple(r for r in rows if r.when == "restart")
+        progress(f"version {before_restart}: {len(at_restart)} more, then restarting "
+                 f"{', '.join(restart)}")
+        located.update(await _publish(attacker, scene, at_restart, state))
         await run.stop([run.live(role) for role in restart])
         for role in restart:
             run.start(role)
 
         async def restarted() -> bool:
-            return run.version() > before_restart and run.live("keeper").processed > 0
-        await run.until(restarted, "the restarted learner trained and the keeper consumed")
+            return run.version() > before_restart and run.live("keeper").processed > 0 \
+                and not await committed_past(bus, run_id, located)
+        await run.until(restarted, "the restarted roles committed past every input and the "
+                                   "learner trained")
     except (TimeoutError, RuntimeError) as exc:
         state["timed_out"] = str(exc)
     finally:
@@ -424,6 +446,20 @@ async def _attack(run: Run, bus, attacker, cfg, rows, outside: Path, cwd: Path,
     state["versions_after"] = run.version() - v0 if "base" in state else 0
     state["after"] = snapshot([outside, cwd]) if "before" in state else {}
     return state
+
+
+async def _publish(attacker, scene: Scene, rows: tuple[Row, ...], state: dict
+                   ) -> dict[str, tuple[str, int, int]]:
+    """Craft and publish ``rows``; where each hostile record landed."""
+    published = {}
+    for row in rows:
+        crafted = row.craft(scene)
+        await attacker.publish(row.topic, crafted.messages)
+        published[row.name] = (row.topic, crafted.messages[crafted.hostile][1])
+    state["published"].update(published)
+    located = await locate(attacker, published)
+    state["located"].update(located)
+    return located
 
 
 async def _judge_all(run: Run, bus, cfg, rows, letters: list[DeadLetter], state: dict) -> dict:
@@ -445,19 +481,23 @@ async def _judge_all(run: Run, bus, cfg, rows, letters: list[DeadLetter], state:
         if row.expect in ("duplicate", "foreign"):
             for role in consumers(row.topic):
                 expected[role]["duplicates" if row.expect == "duplicate" else "foreign"] += 1
+    crafted_dead = {located[name] for name in by_name if name in located}
+    report, undecodable, events = await audit(bus, cfg, crafted_dead)
+    segments: dict[str, list[SegmentClosed]] = defaultdict(list)
+    for segment in events.events(SEGMENT_CLOSED, SegmentClosed):
+        segments[segment.trajectory_id].append(segment)
     judged = [judge(row, located.get(row.name), by_name[row.name], counts, expected,
-                    state["keeper_slots"], state["published"].get(row.name, ("", b""))[1])
+                    state["keeper_slots"], state["published"].get(row.name, ("", b""))[1],
+                    segments)
               for row in rows]
-    refused = {located[j["name"]] for j in judged
-               if j["outcome"].startswith("dead-lettered") and j["name"] in located}
-    report, undecodable = await audit(bus, cfg, refused)
     behind = await committed_past(bus, run_id, located)
     wedged = dict(behind)
     if state["versions_after"] < 1:
         wedged.setdefault("learner", []).append("no policy version after the injection")
-    resumed = state["restarted_learner_version"]
-    if resumed < state.get("pre_restart_version", 0):
-        wedged.setdefault("learner", []).append(f"restarted at version {resumed}")
+    resumed, before = state["restarted_learner_version"], state.get("pre_restart_version", 0)
+    if resumed <= before:
+        wedged.setdefault("learner", []).append(
+            f"restarted learner at version {resumed}, no version after {before}")
     files = touched(state.get("before", {}), state["after"])
     return {
         "inputs": len(rows),

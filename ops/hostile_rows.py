@@ -12,7 +12,11 @@ and says how the run must refuse it:
 - ``foreign``: it carries another run's id, so every consumer skips it (``foreign_events``:
   topics are shared by every run on a cluster);
 - ``not-folded``: an event of the ``keeper`` topic that only a (re)starting keeper reads
-  back: the restarted keeper must not take it into its slots (nor delete what it names).
+  back: the restarted keeper must not take it into its slots (nor delete what it names);
+- ``split``: legit input whose output would not fit on the bus in one event (a segment of
+  64 steps with maximum-length action texts): it must be announced in parts that each
+  fit, all of its steps segmented, nothing dead-lettered (the hostile record is the step
+  that closes the segment).
 
 Crafted events are msgpack maps written by hand (``msgspec.msgpack.encode`` of a dict), so
 they can hold what the event classes refuse to build (NaN, a 200,000-step range, a newer
@@ -35,6 +39,7 @@ import msgspec
 
 from gyre_async.storage.urls import normalize_store_url
 from schemas import event_id
+from schemas.events import MAX_TEXT_CHARS
 from schemas.topics import (
     EVAL,
     EVAL_REQUEST,
@@ -46,7 +51,7 @@ from schemas.topics import (
     TRAJECTORY_STEP,
 )
 
-Expect = Literal["dead-letter", "duplicate", "foreign", "not-folded"]
+Expect = Literal["dead-letter", "duplicate", "foreign", "not-folded", "split"]
 Message = tuple[bytes | None, bytes]
 
 
@@ -95,6 +100,9 @@ class Row:
     what: str  # one line for the docs
     craft: Callable[[Scene], Crafted]
     fast: bool = False  # in the test suite's subset
+    #: ``live``: published while every role runs; ``restart``: right before every role is
+    #: restarted, so the restarts meet it first (what a rebuild makes of the latest events)
+    when: Literal["live", "restart"] = "live"
 
 
 # -- crafting helpers ---------------------------------------------------------------------------
@@ -127,11 +135,13 @@ def _step(scene: Scene, tid: str, index: int, variant: str = "", **over: Any) ->
 
 
 def _steps(scene: Scene, tid: str, indices: list[int], hostile_at: int,
-           hostile: dict[str, Any]) -> Crafted:
-    """Steps ``indices`` of ``tid``, the hostile one inserted at position ``hostile_at``; the
-    last step ends the trajectory (an open trajectory would hold the segmenter's commit)."""
-    msgs = [_step(scene, tid, i, done=(n == len(indices) - 1)) for n, i in enumerate(indices)]
+           hostile: dict[str, Any], **over: Any) -> Crafted:
+    """Steps ``indices`` of ``tid`` (with fields ``over``), the hostile one inserted at
+    position ``hostile_at``; the last one published ends the trajectory (an open
+    trajectory would hold the segmenter's commit)."""
+    msgs = [_step(scene, tid, i, **over) for i in indices]
     msgs.insert(hostile_at, hostile)
+    msgs[-1]["done"] = True
     return Crafted([(tid.encode(), _pack(m)) for m in msgs], hostile_at)
 
 
@@ -276,6 +286,18 @@ def _rows() -> list[Row]:
             "step 1 again under another id, after step 2",
             lambda s: _steps(s, "hostile-repeat", [0, 1, 2, 3], 3,
                              _step(s, "hostile-repeat", 1, variant="again"))),
+        Row("step-after-the-end", TRAJECTORY_STEP, "dead-letter", ("segmenter",),
+            "step 2 after step 1 ended its trajectory",
+            lambda s: Crafted([(b"hostile-after-end", _pack(m)) for m in (
+                _step(s, "hostile-after-end", 0), _step(s, "hostile-after-end", 1, done=True),
+                _step(s, "hostile-after-end", 2))], 2)),
+        Row("long-action-texts-segment", TRAJECTORY_STEP, "split", (),
+            f"64 steps with {MAX_TEXT_CHARS:,}-character action texts: one segment-closed "
+            "would be over 1 MB",
+            lambda s: _steps(s, "hostile-long-texts", list(range(63)), 63,
+                             _step(s, "hostile-long-texts", 63,
+                                   action_text="b" * MAX_TEXT_CHARS),
+                             action_text="a" * MAX_TEXT_CHARS)),
         # segment-closed: the arbiter
         Row("random-bytes-segment-closed", SEGMENT_CLOSED, "dead-letter", ("arbiter",),
             "96 random bytes", _random_bytes("segment-closed")),
@@ -368,6 +390,15 @@ def _rows() -> list[Row]:
                                     f"{s.checkpoint_root()}/v{s.version + 1000:012d}-"
                                     f"{'0' * 64}.safetensors", checkpoint_hash="0" * 64,
                                     ts=time.time() + 86_400))),
+        Row("forged-version-missing-checkpoint-at-restart", POLICY_VERSION, "dead-letter",
+            ("sampler", "evaluator"),
+            "the same, published just before every role restarts: the newest version a "
+            "restart finds",
+            lambda s: _one(_version(s, "missing-at-restart", "learner",
+                                    f"{s.checkpoint_root()}/v{s.version + 2000:012d}-"
+                                    f"{'0' * 64}.safetensors", checkpoint_hash="0" * 64,
+                                    version=s.version + 2000)),
+            fast=True, when="restart"),
         Row("nan-metrics-version", POLICY_VERSION, "dead-letter",
             ("sampler", "evaluator", "keeper"),
             "NaN in metrics",

@@ -86,3 +86,50 @@ def test_the_checks_see_a_touched_file_and_a_connection(tmp_path):
     finally:
         listener.close()
     assert listener.accepted == 1
+
+
+async def test_restarted_learner_and_sampler_skip_a_version_they_cannot_load(tmp_path, tiny):
+    """A ``policy-version`` in the learner's name, stamped a day ahead, naming a checkpoint
+    in the run's root that no file has (anyone who can publish can write one): a restarted
+    learner and sampler must not crash on it nor wait for a version after it (the learner
+    makes none until the sampler acts), but go on from the newest version that loads."""
+    import time
+
+    from actors.learner import Learner
+    from actors.sampler import Sampler
+    from gyre_async.bus import open_bus
+    from gyre_async.bus.reading import read_events
+    from gyre_async.runtime.actor import ActorRunner
+    from gyre_async.storage.roots import StorageRoots
+    from schemas import encode, event_id
+    from schemas.events import PolicyVersion
+    from schemas.topics import POLICY_VERSION
+
+    cfg = tiny.config(learner={"max_versions": 0})
+    root = StorageRoots.from_config(cfg).checkpoints
+    forged = PolicyVersion(event_id=event_id("forged"), run_id=cfg.run.run_id,
+                           producer="learner", key="policy", version=1000,
+                           checkpoint=f"{root}/v{1000:012d}-{'0' * 64}.safetensors",
+                           checkpoint_hash="0" * 64, ts=time.time() + 86_400)
+
+    async def start(actor, ready) -> ActorRunner:
+        runner = ActorRunner(actor, bus, run_id=cfg.run.run_id, heartbeat_s=30, partitions=1)
+        task = asyncio.create_task(runner.run())
+        deadline = time.monotonic() + 60
+        while not ready() and not task.done() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        runner.stop()
+        await task  # a crash at start raises here
+        return runner
+
+    async with open_bus(f"sqlite:///{tmp_path}/events.db") as bus:
+        first = Learner(cfg)
+        await start(first, lambda: first.core.version == 0)  # publishes version 0
+        await bus.publish(POLICY_VERSION, [(b"policy", encode(forged))])
+        again = Learner(cfg)
+        await start(again, lambda: again.core.version == 0)
+        sampler = Sampler(cfg)
+        await start(sampler, lambda: sampler.holder.version == 0)
+        versions = [e.version async for _, e in read_events(bus, [POLICY_VERSION])]
+    assert again.core.version == 0 and sampler.holder.version == 0
+    assert versions == [0, 1000]  # the restart published no second version 0

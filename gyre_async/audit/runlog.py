@@ -47,16 +47,26 @@ async def current_policy_version(
     (:meth:`gyre_async.storage.roots.StorageRoots.trusts`: another producer, a checkpoint
     outside the run's roots).
     """
-    latest = None
+    versions = await policy_versions_in_force(bus, run_id, trusted)
+    return versions[0] if versions else None
+
+
+async def policy_versions_in_force(
+    bus: Bus, run_id: str, trusted: Callable[[PolicyVersion], bool] | None = None
+) -> list[PolicyVersion]:
+    """Every ``policy-version`` of ``run_id`` that ``trusted`` accepts, the one in force
+    first (:func:`current_policy_version`'s order), then the ones before it: a restart
+    whose newest version does not load (its checkpoint missing, corrupt or non-finite: an
+    announcement forged in the learner's name, or damage) goes on with the next."""
     known = {t.name for t in await bus.topics()}
     if POLICY_VERSION not in known:
-        return None
-    async for _record, event in read_events(bus, [POLICY_VERSION], on_bad="skip"):
-        if isinstance(event, PolicyVersion) and event.run_id == run_id and \
-                (trusted is None or trusted(event)) and \
-                (latest is None or (event.ts, event.version) >= (latest.ts, latest.version)):
-            latest = event
-    return latest
+        return []
+    found = [event async for _record, event in read_events(bus, [POLICY_VERSION], on_bad="skip")
+             if isinstance(event, PolicyVersion) and event.run_id == run_id
+             and (trusted is None or trusted(event))]
+    found.reverse()  # of two equal keys, the later publication comes first (sort is stable)
+    found.sort(key=lambda e: (e.ts, e.version), reverse=True)
+    return found
 
 
 def metrics_rows(log: RunFold) -> list[dict]:

@@ -6,9 +6,23 @@ events. Files are TOML; ``load_config`` validates at start-up and says how to fi
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
+
+# Sizes, counts and durations are checked when a config is decoded: a zero batch or a
+# negative timeout is refused at start-up, naming the field (gyre_async.config.load_config
+# turns msgspec's "Expected `int` >= 1 - at `$.learner.minibatch_steps`" into the fix).
+#: A size or count that must be at least 1 (0 would leave a role nothing to do).
+Count = Annotated[int, msgspec.Meta(ge=1)]
+#: A size or count where 0 means what the field's docstring says (off, no limit, all).
+CountOrZero = Annotated[int, msgspec.Meta(ge=0)]
+#: A float that must be > 0 (a learning rate, a temperature, a timeout).
+Positive = Annotated[float, msgspec.Meta(gt=0)]
+#: A float that must be >= 0 (0: off, as the field's docstring says).
+NonNegative = Annotated[float, msgspec.Meta(ge=0)]
+#: A duration in seconds, >= 0 (0: no wait, or no limit, as documented on the field).
+Seconds = Annotated[float, msgspec.Meta(ge=0)]
 
 
 class Strict(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -28,15 +42,18 @@ class RunSection(Strict):
 
 class BusSection(Strict):
     url: str = ""
-    """Bus URL. Empty: the embedded log at ``<run_dir>/events.db``. Or kafka://host:port."""
-    partitions: int = 4
+    """Bus URL. Empty: the embedded log at ``<run_dir>/events.db``. Or kafka://host:port.
+    Name a password by environment variable, ``sasl_plain_password=${GYRE_KAFKA_PASSWORD}``:
+    it is read only when the bus is built, and ``config.json`` records the URL with any
+    literal secret redacted (gyre_async.bus.secrets)."""
+    partitions: Count = 4
     """Partitions per topic (trajectory ids are the keys)."""
-    max_message_bytes: int = 1_000_000
+    max_message_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 1_000_000
     """Events larger than this are refused at publish and dead-lettered at consume."""
 
 
 class EchoConfig(Strict):
-    delay_s: float = 0.0
+    delay_s: Seconds = 0.0
     """Sleep per event (slows the echo to make crash tests hit mid-batch)."""
     fail_on_payload: str = ""
     """Raise a non-retriable error on this payload (exercises the dead-letter path)."""
@@ -60,14 +77,14 @@ class TaskSection(Strict):
     fail_episode_rate: float = 0.0
     """Fault drill (gyre_async.envs.faults): this share of training episodes crashes at a
     uniformly random step with an env-error (validation and probes stay fault-free); 0: off."""
-    fail_within_steps: int = 0
+    fail_within_steps: CountOrZero = 0
     """The crashing step is uniform in 0..N-1 (0: the environment's step cap)."""
 
 
 class LoraSection(Strict):
     """LoRA adapters through ``peft`` for the ``hf``/``vllm`` backends (``[policy.lora]``)."""
 
-    rank: int = 0
+    rank: CountOrZero = 0
     """Adapter rank; 0 turns LoRA off: full fine-tuning, every weight of the model trains."""
     alpha: float = 16.0
     """LoRA scaling numerator (the update is ``alpha / rank * B @ A``)."""
@@ -78,15 +95,15 @@ class LoraSection(Strict):
 
 
 class PolicySection(Strict):
-    d_model: int = 64
+    d_model: Count = 64
     """Width of the small causal transformer built from config."""
-    n_layers: int = 2
+    n_layers: Count = 2
     """Transformer blocks."""
-    n_heads: int = 4
+    n_heads: Count = 4
     """Attention heads."""
-    context_tokens: int = 96
+    context_tokens: Count = 96
     """Bounded context window: milestone summary + recent turns + current observation."""
-    history_turns: int = 1
+    history_turns: CountOrZero = 1
     """How many past (observation, action) turns the context keeps (``window`` contexts)."""
     context: Literal["window", "segment"] = "window"
     """How a step's context is made. ``window``: rebuilt at every step from the milestone
@@ -97,7 +114,7 @@ class PolicySection(Strict):
     the next: acting reuses its keys/values, the learner reads the segment once), and it
     closes where the segmenter closes the segment; a context that would pass
     ``context_tokens`` closes the segment there (see gyre_async.core.segmenter)."""
-    max_action_tokens: int = 4
+    max_action_tokens: Count = 4
     """Longest action the policy may generate (tokens, eos included)."""
     constrain_actions: bool = True
     """Restrict generated tokens to words that occur in actions (and eos)."""
@@ -137,60 +154,60 @@ class ExplorationConfig(Strict):
     distribution actually sampled from (annealed temperature, top-p and perturbed weights).
     """
 
-    temperature_end: float = 0.0
+    temperature_end: NonNegative = 0.0
     """Temperature reached after ``anneal_versions`` (0: keep ``sampler.temperature``)."""
-    top_p_end: float = 0.0
+    top_p_end: NonNegative = 0.0
     """Top-p reached after ``anneal_versions`` (0: keep ``sampler.top_p``)."""
-    anneal_versions: int = 0
+    anneal_versions: CountOrZero = 0
     """Policy versions over which temperature/top-p move from start to end (0: no schedule)."""
     shape: Literal["linear", "cosine"] = "linear"
     """Interpolation between start and end: straight line, or half a cosine (slow-fast-slow)."""
-    param_noise_target_kl: float = 0.0
+    param_noise_target_kl: NonNegative = 0.0
     """Parameter-space noise: act with perturbed weights whose next-token distribution is
     this KL (nats) from the unperturbed policy's, on recent contexts (0: off)."""
-    param_noise_initial_std: float = 0.01
+    param_noise_initial_std: NonNegative = 0.01
     """Starting std of the Gaussian added to every weight; adapted towards the target KL."""
     param_noise_adapt: float = 1.05
     """Adaptation factor alpha (Plappert et al. 2018): std *= alpha while the measured KL is
     below target, std /= alpha while above."""
-    param_noise_adapt_every: int = 8
+    param_noise_adapt_every: Count = 8
     """Adapt (and redraw the perturbation) every this many batched policy calls."""
-    param_noise_probe_contexts: int = 64
+    param_noise_probe_contexts: Count = 64
     """How many recent contexts the KL is measured on."""
 
 
 class SamplerConfig(Strict):
-    num_envs: int = 32
+    num_envs: Count = 32
     """Concurrent environment instances (a slow env blocks only its own trajectory)."""
-    step_timeout_s: float = 10.0
+    step_timeout_s: Positive = 10.0
     """A step slower than this ends its trajectory as truncated, with an env-error event."""
-    temperature: float = 1.0
+    temperature: Positive = 1.0
     """Sampling temperature."""
     top_p: float = 1.0
     """Nucleus sampling threshold."""
-    batch_wait_s: float = 0.004
+    batch_wait_s: Seconds = 0.004
     """How long the action batcher waits to fill a batch before running the policy."""
-    flush_interval_s: float = 0.05
+    flush_interval_s: Seconds = 0.05
     """Steps are published in batches at this interval (one bus transaction each)."""
-    max_episodes: int = 0
+    max_episodes: CountOrZero = 0
     """Stop after this many episodes (0: until stopped)."""
-    group_size: int = 1
+    group_size: Count = 1
     """Consecutive episodes that share one task (same seed, same task_id): a GRPO group.
     The learner's global outcome advantage compares a trajectory with its group, so it
     needs >= 2; 1 gives every trajectory its own task (no global advantage)."""
     exploration: ExplorationConfig = msgspec.field(default_factory=ExplorationConfig)
     """Temperature/top-p schedule and parameter-space noise (``[sampler.exploration]``)."""
-    replicas: int = 1
+    replicas: Count = 1
     """Sampler processes in the run. Each admits ``1/replicas`` of the staleness budget and
     draws its seeds from its own residue class modulo ``replicas`` (gyre_async.core.sampler).
     Set per process by ``gyre actor sampler --replica I/N`` (``gyre launch --replicas
     sampler=N`` passes it); ``gyre run`` runs one sampler: leave it at 1 in files."""
-    replica: int = 0
+    replica: CountOrZero = 0
     """This process's index in ``[0, replicas)`` (set with ``replicas``, per process)."""
 
 
 class SegmenterConfig(Strict):
-    max_segment_steps: int = 32
+    max_segment_steps: Count = 32
     """A segment closes at this length even without a sub-task boundary."""
     close_on_milestone: bool = True
     """Close a segment when a milestone (sub-task) is reached."""
@@ -204,14 +221,14 @@ class SegmenterConfig(Strict):
     (``env-error``) stay bootstrapped either way."""
     store: str = ""
     """Segment store URL (default: <run_dir>/segments.zarr)."""
-    write_batch_segments: int = 64
+    write_batch_segments: Count = 64
     """Closed segments are written to the store in groups of up to this many ..."""
-    write_delay_s: float = 0.25
+    write_delay_s: Seconds = 0.25
     """... or once the oldest waiting one is this old: fewer, larger store writes."""
     fsync: bool = False
     """fsync segment data before announcing it. Off by default, like the embedded bus's
     synchronous=NORMAL: a killed process loses nothing; a power cut may lose the newest."""
-    retain_bytes: int = 0
+    retain_bytes: CountOrZero = 0
     """Retention bound on the segment store's disk use (0: keep every segment). Before each
     write, segments the learner has consumed (trained on or dropped) are deleted while the
     store would exceed it; see gyre_async.experience.retention."""
@@ -234,15 +251,15 @@ class GuardConfig(Strict):
 
     enabled: bool = True
     """Master switch of every guard (the guards benchmark turns it off to show farming)."""
-    farm_repeat: int = 5
+    farm_repeat: Count = 5
     """Farming: one action paid shaping reward this often since the last proven milestone
     (keep it above the longest legitimate run of one action between milestones)."""
-    farm_action_words: int = 1
+    farm_action_words: CountOrZero = 1
     """Farming: leading words that name an action for farm_repeat (0: the whole text)."""
-    farm_budget_ratio: float = 3.0
+    farm_budget_ratio: NonNegative = 3.0
     """Farming: shaping paid without progress since the last proven milestone may reach at
     most this multiple of milestone_reward (the task's pay for proven progress)."""
-    chargeback: float = 1.0
+    chargeback: NonNegative = 1.0
     """Vetoed pay is charged back at this multiple, at the steps it was withheld from
     (0: a plain veto, which leaves farming a free lottery ticket: paid when unnoticed,
     never worse off when caught)."""
@@ -259,7 +276,7 @@ class ProcessRewardConfig(Strict):
     """Segment's process reward = weight * mean per-step score in [-1, 1]."""
     reference: str = ""
     """Reference judgments (JSONL, see gyre_async.rewards.drift) re-scored to catch drift."""
-    check_every_segments: int = 200
+    check_every_segments: Count = 200
     """Re-score the reference set before the first segment and then every N segments."""
     min_agreement: float = 0.75
     """Pairwise accuracy below this lowers the model's weight (restored once it agrees)."""
@@ -283,19 +300,19 @@ class ArbiterConfig(Strict):
 
 
 class LearnerConfig(Strict):
-    batch_steps: int = 1024
+    batch_steps: Count = 1024
     """Train once this many scored steps are buffered (also the sampler's steps per version)."""
-    learning_rate: float = 3e-4
+    learning_rate: Positive = 3e-4
     """Adam learning rate."""
-    epochs: int = 2
+    epochs: Count = 2
     """Passes over each batch."""
-    minibatch_steps: int = 256
+    minibatch_steps: Count = 256
     """Steps per gradient step."""
-    micro_steps: int = 0
+    micro_steps: CountOrZero = 0
     """Rows per forward/backward pass inside a minibatch (gradient accumulation: the same
     gradient, the activations of only this many rows held at once; for language models,
     whose activations are ~2 MB per context token). 0: the whole minibatch in one pass."""
-    micro_tokens: int = 0
+    micro_tokens: CountOrZero = 0
     """Segments read as one sequence each (``policy.context = "segment"``): a forward/
     backward pass holds whole segments up to this many tokens (a longer segment gets a pass
     of its own), so memory follows tokens, not steps. 0: one pass per minibatch."""
@@ -313,11 +330,11 @@ class LearnerConfig(Strict):
     """Weight of a KL penalty to the base model (``[policy.lora]`` only: the base is the
     same model with its adapters disabled, so no second model is held). Per action token,
     the non-negative estimator ``exp(r) - r - 1`` with ``r = log p_base - log p``."""
-    is_cap: float = 5.0
+    is_cap: Positive = 5.0
     """Cap of the importance weight pi_prox / pi_behaviour for stale samples."""
-    max_grad_norm: float = 1.0
+    max_grad_norm: Positive = 1.0
     """Gradient clipping."""
-    max_versions: int = 0
+    max_versions: CountOrZero = 0
     """Stop training after this many updates (0: no limit)."""
     checkpoints: str = ""
     """Checkpoint store URL (default: <run_dir>/checkpoints)."""
@@ -336,24 +353,24 @@ class LearnerConfig(Strict):
     """Conservative critic start: before the first update the value head's weights are set
     near zero and its bias to the mean complete return of the first batch (the steps whose
     episode ended in it), or to mean step reward / (1 - gamma) when no episode ended."""
-    value_refit_every: int = 5
+    value_refit_every: CountOrZero = 5
     """Every N updates, extra value-only passes on steps whose Monte-Carlo return is
     complete in the batch (their trajectory ended in it); 0 turns the refit off."""
-    value_refit_epochs: int = 1
+    value_refit_epochs: CountOrZero = 1
     """Passes of that supervised refit."""
-    divergence_max_advantage: float = 50.0
+    divergence_max_advantage: NonNegative = 50.0
     """Critic divergence: a raw advantage beyond this (or non-finite) resets the critic
     and skips the batch's update (0: never)."""
-    divergence_max_value_loss: float = 25.0
+    divergence_max_value_loss: NonNegative = 25.0
     """Critic divergence: a value loss beyond this (or non-finite) resets the critic (0: never)."""
     divergence_lr_shrink: float = 0.5
     """On a critic reset the learning rate is multiplied by this (the smaller step)."""
-    fault_lr_spike_version: int = 0
+    fault_lr_spike_version: CountOrZero = 0
     """Fault injection (tests, drills): the update that produces this version uses the
     learning rate times ``fault_lr_spike_factor`` (0: never). Shows the keeper at work."""
-    fault_lr_spike_factor: float = 1.0
+    fault_lr_spike_factor: Positive = 1.0
     """Learning-rate multiplier (> 0) of the injected fault (see ``fault_lr_spike_version``)."""
-    world_size: int = 1
+    world_size: Count = 1
     """Learner processes training data-parallel (gyre_async.core.learner_dp): rank 0 owns
     the bus, the checkpoints and the versions; the others follow it. torchrun's
     ``WORLD_SIZE`` overrides it; each process takes its rank from ``RANK`` (or --rank)."""
@@ -377,19 +394,19 @@ class MacroSection(Strict):
     define: dict[str, list[str] | str] = {}
     """More macros: name -> list of env actions (a fixed sequence), or "module:function" (a
     scripted policy called as f(observation, steps_done) -> next env action, None to stop)."""
-    max_primitive_steps: int = 16
+    max_primitive_steps: Count = 16
     """Longest expansion of one macro call, in environment steps."""
 
 
 class EliteSection(Strict):
     """Elite pool: high-impact segments kept aside and mixed into batches (gyre_async.experience)."""
 
-    capacity: int = 0
+    capacity: CountOrZero = 0
     """Segments the pool keeps (0: no pool). Eviction: turning points before successes, oldest
     first within a kind."""
-    mix_share: float = 0.1
+    mix_share: NonNegative = 0.1
     """Elite steps added to each batch, as a share of the batch's fresh steps."""
-    jump_threshold: float = 0.1
+    jump_threshold: NonNegative = 0.1
     """A segment is a turning point when its critic value changes by at least this much
     between two consecutive steps (default: about one milestone's reward). A critic that
     has not learned yet barely moves (jumps of ~0.01 on the quickstart), so early pools
@@ -399,13 +416,13 @@ class EliteSection(Strict):
 
 
 class EvaluatorConfig(Strict):
-    every_versions: int = 5
+    every_versions: CountOrZero = 5
     """Evaluate every N policy versions (version 0 always)."""
-    episodes: int = 32
+    episodes: Count = 32
     """Validation episodes (seeds from task.eval_seed_start)."""
     greedy: bool = True
     """Greedy decoding (else sampled at ``temperature``)."""
-    temperature: float = 1.0
+    temperature: Positive = 1.0
     """Sampling temperature of validation episodes when ``greedy`` is off (the same for every
     version, so their figures compare)."""
     seeds: list[int] = []
@@ -429,15 +446,15 @@ class WarmstartConfig(Strict):
     demonstrations: list[str] = []
     """JSONL demonstration files (gold paths, walkthroughs, ``gyre export`` output). Empty:
     the environment's own gold demonstrations on ``gold_episodes`` training seeds."""
-    gold_episodes: int = 64
+    gold_episodes: CountOrZero = 64
     """Training-split episodes whose gold paths are cloned when no files are given."""
-    epochs: int = 30
+    epochs: Count = 30
     """Passes over the demonstration steps."""
-    learning_rate: float = 1e-3
+    learning_rate: Positive = 1e-3
     """Adam learning rate for behaviour cloning."""
-    batch_steps: int = 64
+    batch_steps: Count = 64
     """Demonstration steps per gradient step."""
-    max_seconds: float = 0.0
+    max_seconds: Seconds = 0.0
     """Stop cloning after the epoch that passes this many seconds (0: no limit)."""
 
 
@@ -446,37 +463,37 @@ class KeeperConfig(Strict):
 
     store: str = ""
     """Where the kept checkpoints live (default: <run_dir>/keeper)."""
-    noise_k: float = 3.0
+    noise_k: NonNegative = 3.0
     """A metric regresses when it is below the best version's by more than noise_k standard
     errors (two-proportion binomial at the two evaluations' episode counts)."""
-    min_regressed_metrics: int = 2
+    min_regressed_metrics: Count = 2
     """Roll back only when at least this many validation metrics regress at once
     (success rate, mean score, each milestone's rate)."""
     require_success_regression: bool = True
     """... and only when the success rate is one of them (partial-progress metrics dip on
     their own early in training, while a policy narrows; see gyre_async/core/keeper_rules.py)."""
-    success_alone_k: float = 4.0
+    success_alone_k: NonNegative = 4.0
     """The success rate alone is enough (no other metric needed) when it falls by more than
     this many standard errors (0: never alone; see gyre_async/core/keeper_rules.py)."""
     lr_cut: float = 0.5
     """Each rollback multiplies the learning rate by this factor."""
-    large_update_kl: float = 0.05
+    large_update_kl: NonNegative = 0.05
     """An update is large when the mean KL (nats) of next-token distributions on the probe
     contexts, parent vs new, exceeds this (0: not used)."""
-    large_update_param_change: float = 0.0
+    large_update_param_change: NonNegative = 0.0
     """... or when ||new - parent|| / ||parent|| over all weights exceeds this (0: not used)."""
-    probe_contexts: int = 64
+    probe_contexts: Count = 64
     """Size of the fixed probe set (first observations of these validation-range seeds)."""
     probe_seed_start: int = 2_000_000
     """Seeds of the probe set (kept apart from training and validation seeds)."""
 
 
 class LoopSection(Strict):
-    max_staleness: int = 2
+    max_staleness: CountOrZero = 2
     """How many versions behind the learner a sample may be (the sampler pauses beyond)."""
-    max_env_steps: int = 0
+    max_env_steps: CountOrZero = 0
     """Stop the run after this many environment steps (0: no limit)."""
-    max_wall_s: float = 0.0
+    max_wall_s: Seconds = 0.0
     """Stop the run after this many seconds (0: no limit)."""
     target_success: float = 0.0
     """Stop early once validation success reaches this (0: never)."""

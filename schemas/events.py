@@ -12,12 +12,14 @@ Constraints (non-negative indices, finite floats, bounded sizes) are checked in
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import time
 from typing import Literal
 
 import msgspec
+import msgspec.inspect
 
 #: Highest schema version this build reads. Producers stamp it on every event.
 SCHEMA_VERSION = 1
@@ -51,6 +53,17 @@ def _finite(name: str, *values: float) -> None:
             raise ValueError(f"{name} must be finite, got {v!r}")
 
 
+#: Largest magnitude a measured float takes in an event (see :func:`finite_reading`).
+MAX_READING = 1e300
+
+
+def finite_reading(x: float, fallback: float = -1.0) -> float:
+    """A measurement as an event carries it (events refuse NaN/inf): an infinite reading
+    (a KL where the new policy gives 0 to an action) capped at +-MAX_READING, still plainly
+    huge; a NaN (no reading) as ``fallback``."""
+    return fallback if math.isnan(x) else max(min(x, MAX_READING), -MAX_READING)
+
+
 def _non_negative(name: str, value: int) -> None:
     if value < 0:
         raise ValueError(f"{name} must be >= 0, got {value}")
@@ -69,6 +82,74 @@ class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", tag=Tru
     key: str = ""
     schema_version: int = SCHEMA_VERSION
     ts: float = msgspec.field(default_factory=time.time)
+
+    def __post_init__(self) -> None:
+        _all_finite(self)
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        """Every event refuses NaN/inf in every float field, nested ones included, before
+        its own checks run: an event's own ``__post_init__`` is wrapped, so no event type
+        can forget it (a bad float fails at decode, and at construction in a producer)."""
+        super().__init_subclass__(**kwargs)
+        own = cls.__dict__.get("__post_init__")
+        if own is None:
+            return  # the inherited check already covers this class's fields
+
+        def __post_init__(self) -> None:
+            _all_finite(self)
+            own(self)
+
+        setattr(cls, "__post_init__", __post_init__)  # noqa: B010 - a method, replaced
+
+
+def _all_finite(event: msgspec.Struct) -> None:
+    """Raise ``ValueError`` naming the first NaN/inf float of ``event`` (``metrics['loss']``)."""
+    for name in _float_fields(type(event)):
+        _check_finite(getattr(event, name), name)
+
+
+def _check_finite(value: object, path: str) -> None:
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"{path} must be finite, got {value!r}")
+    elif isinstance(value, list | tuple):
+        if value and isinstance(value[0], int | float) and all(map(math.isfinite, value)):
+            return  # the usual case (log-probs, rewards), checked at C speed
+        for i, item in enumerate(value):
+            _check_finite(item, f"{path}[{i}]")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_finite(item, f"{path}[{key!r}]")
+    elif isinstance(value, msgspec.Struct):
+        for name in _float_fields(type(value)):
+            _check_finite(getattr(value, name), f"{path}.{name}")
+
+
+@functools.cache
+def _float_fields(cls: type) -> tuple[str, ...]:
+    """The fields of a struct whose type holds a float anywhere (token-id lists are skipped:
+    checking them would cost a loop over thousands of ints per step for nothing)."""
+    info = msgspec.inspect.type_info(cls)
+    assert isinstance(info, msgspec.inspect.StructType), cls
+    return tuple(f.name for f in info.fields if _holds_float(f.type))
+
+
+def _holds_float(t: msgspec.inspect.Type) -> bool:
+    match t:
+        case msgspec.inspect.FloatType():
+            return True
+        case msgspec.inspect.UnionType(types=types):
+            return any(_holds_float(x) for x in types)
+        case msgspec.inspect.ListType(item_type=item) | msgspec.inspect.VarTupleType(
+                item_type=item):
+            return _holds_float(item)
+        case msgspec.inspect.TupleType(item_types=items):
+            return any(_holds_float(x) for x in items)
+        case msgspec.inspect.DictType(value_type=value):
+            return _holds_float(value)
+        case msgspec.inspect.StructType(fields=fields):
+            return any(_holds_float(f.type) for f in fields)
+    return False
 
 
 class Milestone(msgspec.Struct, frozen=True, kw_only=True):

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -50,7 +51,7 @@ from gyre_async.bus import Bus, Consumer, MessageTooLarge, Record
 from gyre_async.bus.base import TopicPartition
 from gyre_async.errors import is_retriable
 from schemas import DecodeError, Event, decode, encode, event_id
-from schemas.events import DeadLetter, Heartbeat
+from schemas.events import DeadLetter, Heartbeat, finite_reading
 from schemas.topics import DEAD_LETTER, TELEMETRY
 
 log = structlog.get_logger(__name__)
@@ -582,7 +583,10 @@ class ActorRunner:
         stats = {"dead_letters": float(self.dead_letters), "duplicates": float(self.duplicates),
                  "foreign_events": float(self.foreign),
                  "unconsumed": float(unconsumed)}
-        stats.update(self.actor.stats())
+        # a stat with no reading (NaN) is left out, an infinite one capped: heartbeats, like
+        # every event, carry finite floats only
+        stats.update({k: finite_reading(v) for k, v in self.actor.stats().items()
+                      if not math.isnan(v)})
         hb = Heartbeat(
             event_id=event_id("heartbeat", self.run_id, self.name, id(self), self._hb_seq),
             run_id=self.run_id,

@@ -196,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
                 proc.kill()
                 proc.wait()
     steps, errors = asyncio.run(read_trajectories(url, run_id))
-    report = asyncio.run(ops_script("chaos").audit(url, run_id, run_dir, max_staleness))
+    report, _stale_dropped = asyncio.run(ops_script("chaos").audit(url, run_id, run_dir,
+                                                                   max_staleness))
     print(report.describe(), file=sys.stderr)
     kills = [k["t"] for k in chaos.kills]
     result = {"bench": "resume", "kills": len(kills), **measure(steps, errors, kills),

@@ -66,7 +66,7 @@ def _version(cfg, tmp_path, version: int, consumed: int) -> PolicyVersion:
     ref = save_weights(CheckpointStore(str(tmp_path / "checkpoints")),
                        build_policy(cfg, build_tokenizer(cfg)), version)
     return PolicyVersion(event_id=event_id("pv", version), run_id=cfg.run.run_id,
-                         producer="test", key="policy", version=version,
+                         producer="learner", key="policy", version=version,
                          checkpoint=ref.address, checkpoint_hash=ref.sha256,
                          reason="init" if version == 0 else "update", consumed_steps=consumed)
 

@@ -29,6 +29,7 @@ from gyre_async.envs.macros import with_macros
 from gyre_async.policy.base import Policy, SamplingParams
 from gyre_async.policy.context import ContextBuilder
 from gyre_async.policy.tokenizer import BaseTokenizer
+from gyre_async.storage.roots import StorageRoots
 from schemas import event_id
 from schemas.config import Config
 from schemas.events import EvalResult, PolicyVersion
@@ -130,6 +131,7 @@ class Evaluation:
         self.cfg = cfg
         self.holder = holder
         self.builder = builder
+        self.roots = StorageRoots.from_config(cfg)  # where a policy-version may point
         self.evaluated = 0
 
     @classmethod
@@ -141,9 +143,11 @@ class Evaluation:
 
     async def run(self, version: PolicyVersion, *, greedy: bool, trigger: str, cause: str,
                   producer: str) -> EvalResult:
-        """Load ``version``'s weights (verified) and validate them. ``cause`` is the id of
+        """Load ``version``'s weights (announced by the run's learner, in its checkpoint
+        root, hash verified) and validate them. ``cause`` is the id of
         the event that asked for it: one result per (version, reason, cause)."""
-        await asyncio.to_thread(self.holder.load, version.checkpoint, version.checkpoint_hash,
+        address = self.roots.checkpoint_of(version)  # or raise: the evaluator dead-letters
+        await asyncio.to_thread(self.holder.load, address, version.checkpoint_hash,
                                 version.version)
         summary = await evaluate(self.cfg, self.holder, self.builder, None, greedy)
         self.evaluated += 1

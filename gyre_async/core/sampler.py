@@ -48,6 +48,7 @@ import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 from gyre_async.compose import build_acting_policy, build_tokenizer
 from gyre_async.core.exploration import (
@@ -78,6 +79,7 @@ from gyre_async.envs.macros import step_fields, with_macros
 from gyre_async.errors import ConfigError
 from gyre_async.policy.context import ContextBuilder
 from gyre_async.rl.staleness import StalenessGate
+from gyre_async.storage.roots import StorageRoots
 from schemas import Event, event_id
 from schemas.config import Config
 from schemas.events import EnvError, Milestone, PolicyVersion, SegmentDropped, TrajectoryStep
@@ -149,12 +151,20 @@ class SamplerCore:
                    ContextBuilder(tokenizer, cfg.policy.context_tokens, cfg.policy.history_turns,
                                   mode=cfg.policy.context))
 
+    @cached_property
+    def roots(self) -> StorageRoots:
+        """Where a ``policy-version`` may point: the run's checkpoint root (config)."""
+        return StorageRoots.from_config(self.cfg)
+
     # -- following the learner -------------------------------------------------------------
     async def follow(self, event: PolicyVersion) -> None:
-        """Load a newer version (or a rollback's) and move the gate to the learner's place."""
+        """Load a newer version (or a rollback's) and move the gate to the learner's place.
+        One the run's learner did not announce, or whose checkpoint lies outside the run's
+        checkpoint root, raises (the actor dead-letters it) and moves nothing."""
+        address = self.roots.checkpoint_of(event)
         if event.version <= self.holder.version and event.reason != "rollback":
             return
-        await asyncio.to_thread(self.holder.load, event.checkpoint, event.checkpoint_hash,
+        await asyncio.to_thread(self.holder.load, address, event.checkpoint_hash,
                                 event.version)
         async with self._version_seen:
             self.learner_version = max(self.learner_version, event.version) \

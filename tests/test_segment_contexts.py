@@ -20,6 +20,7 @@ import msgspec
 import pytest
 import torch
 
+from gyre_async.bus.reading import read_events
 from gyre_async.core.learner import LearnerCore, TrainResult
 from gyre_async.core.learner_batch import BatchItem, prepare_batch
 from gyre_async.core.rollout import ActionBatcher, PolicyHolder, StepRecord, run_episode
@@ -49,6 +50,7 @@ from schemas.config import (
     SegmenterConfig,
 )
 from schemas.events import Scored
+from schemas.topics import TRAJECTORY_STEP
 
 TOK = tokenizer_for_vocabulary(VOCAB)
 BUDGET = 240  # tokens a segment context may hold (policy.context_tokens)
@@ -364,10 +366,12 @@ def test_a_hugging_face_model_acts_on_cached_prefixes_and_reads_segments_in_one_
 
 def test_a_run_with_segment_contexts_passes_its_audits_and_replays_bit_for_bit(tiny):
     """``gyre run``'s loop with segment contexts: the invariants hold (nothing lost, the
-    store's segments match their announcements), the store holds sequences, and ``gyre
-    replay learner`` re-derives every update's advantages bit for bit."""
+    store's segments match their announcements), the store holds sequences, ``gyre replay
+    learner`` re-derives every update's advantages bit for bit, and ``gyre inspect
+    --contexts`` shows each step's whole context."""
+    from gyre_async.audit.inspect_trajectory import collect, render
     from gyre_async.audit.invariants import check_run, read_run
-    from gyre_async.audit.replay import replay_learner
+    from gyre_async.audit.replay import replay, replay_learner
     from gyre_async.bus import open_bus
     from gyre_async.runtime.loop import run_loop
 
@@ -381,11 +385,26 @@ def test_a_run_with_segment_contexts_passes_its_audits_and_replays_bit_for_bit(t
             report = check_run(await read_run(bus, cfg.run.run_id),
                                segment_store=f"{cfg.run.run_dir}/segments.zarr",
                                checkpoint_dir=None, max_staleness=cfg.loop.max_staleness)
-            return report, await replay_learner(bus, cfg)
+            steps = [e async for _, e in read_events(bus, [TRAJECTORY_STEP], on_bad="raise")]
+            tid = steps[0].trajectory_id
+            segmenter = await replay(bus, "segmenter", cfg)
+            return (report, await replay_learner(bus, cfg), segmenter, tid,
+                    await collect(bus, tid))
 
-    invariants, replay = asyncio.run(audit())
+    invariants, replayed, segmenter, tid, info = asyncio.run(audit())
+    # the segmenter, run again over the log's steps (only what is new in each), writes the
+    # same segments: every one reproduced, none different, none extra
+    assert not segmenter.missing and not segmenter.changed and not segmenter.extra, \
+        segmenter.to_dict()
+    shown = render(tid, info, 0, contexts=True).splitlines()
+    contexts = [line for line in shown if line.startswith("       context (")]
+    assert len(contexts) == len(info["steps"])
+    whole = {s.step_index: s.context_tokens for s in resolve_trajectory(info["steps"])}
+    for step, line in zip(info["steps"], contexts):
+        assert line.endswith(repr(" ".join(map(str, whole[step.step_index]))))
+    assert any(len(whole[s.step_index]) > len(s.context_tokens) for s in info["steps"])
     assert invariants.ok, invariants.describe()
-    assert replay.replayed_outputs >= 2 and replay.differences == 0, replay.to_dict()
+    assert replayed.replayed_outputs >= 2 and replayed.differences == 0, replayed.to_dict()
     store = SegmentStore(f"{cfg.run.run_dir}/segments.zarr", read_only=True)
     layouts = [segment_sequence(store.read(store.address(sid))) is not None
                for sid in store.list_segments()]

@@ -5,15 +5,19 @@ tool latency), the segments it was cut into (boundary reason, store address), ea
 segment's reward components and the level that decided it, the learner batch (policy
 version) that trained on each segment or why it was dropped, and environment errors.
 Undecodable records are skipped and their number shown (an inspection of a damaged log
-still shows what it can).
+still shows what it can). With ``contexts``, each step's exact context too: a step of a
+segment context carries only its new tokens, and the whole context is put back together
+from the steps before it (:mod:`gyre_async.core.segment_context`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from gyre_async.bus import Bus
 from gyre_async.bus.reading import ReadCounts, read_events
+from gyre_async.core.segment_context import resolve_trajectory
 from schemas.events import (
     EnvError,
     PolicyVersion,
@@ -54,7 +58,10 @@ async def collect(bus: Bus, trajectory_id: str) -> dict[str, Any]:
             "trained_in": trained_in, "undecodable": read.skipped}
 
 
-def render(trajectory_id: str, info: dict[str, Any], max_steps: int = 0) -> str:
+def render(trajectory_id: str, info: dict[str, Any], max_steps: int = 0,
+           contexts: bool = False, decode: Callable[[list[int]], str] | None = None) -> str:
+    """The trajectory as text; ``contexts``: each step's whole context under it (token ids,
+    or text through ``decode``)."""
     steps, segments = info["steps"], info["segments"]
     skipped = (f"  ({info['undecodable']} undecodable records of the log skipped)"
                if info.get("undecodable") else "")
@@ -71,11 +78,21 @@ def render(trajectory_id: str, info: dict[str, Any], max_steps: int = 0) -> str:
                      f"done={last.done} truncated={last.truncated}  policy versions {versions}")
     lines.append("steps:")
     shown = steps if not max_steps else steps[:max_steps]
+    whole = {s.step_index: s.context_tokens for s in resolve_trajectory(steps)} \
+        if contexts else {}
     for s in shown:
         ms = ", ".join(f"{m.name} [{m.proof}]" for m in s.milestones)
         lines.append(f"  {s.step_index:>4} v{s.policy_version:<3} {s.action_text!r:<18} "
                      f"feedback {s.feedback:+.3f} latency {s.tool_latency_s * 1000:7.1f} ms"
                      + (f"  milestone: {ms}" if ms else ""))
+        if contexts:
+            context = whole.get(s.step_index)
+            if context is None:
+                lines.append("       context: not rebuilt (a step before it is missing)")
+            else:
+                shown_text = decode(context) if decode else " ".join(map(str, context))
+                lines.append(f"       context ({len(context)} tokens, {len(s.context_tokens)} "
+                             f"carried by this step): {shown_text!r}")
     if max_steps and len(steps) > max_steps:
         lines.append(f"  ... {len(steps) - max_steps} more (use --steps 0 for all)")
     for e in info["errors"]:

@@ -101,6 +101,9 @@ def _parser() -> argparse.ArgumentParser:
     ins.add_argument("--bus", help="bus URL of the run")
     ins.add_argument("--config", help="the run's config file (to find its bus)")
     ins.add_argument("--steps", type=int, default=50, help="show at most N steps (0: all)")
+    ins.add_argument("--contexts", action="store_true",
+                     help="each step's exact context too (as text when --config names the run's "
+                     "config, whose tokenizer decodes it; else token ids)")
 
     arc = sub.add_parser("archive", help="record every topic of a run into an embedded log",
                          description="Copy every topic of a run (e.g. from Kafka) into the "
@@ -239,7 +242,7 @@ def _dispatch(args) -> int:
         return run_report(args)
     if args.command == "inspect":
         cfg = _config(args)
-        return run_main(lambda: _inspect(bus_url(cfg, args.bus), args))
+        return run_main(lambda: _inspect(bus_url(cfg, args.bus), args, cfg))
     if args.command == "export-model":
         from gyre_async.cli.offline import run_export_model
 
@@ -354,12 +357,18 @@ async def _replay(url: str, cfg, args) -> int:
     return 1 if report.differences else 0
 
 
-async def _inspect(url: str, args) -> int:
+async def _inspect(url: str, args, cfg) -> int:
     from gyre_async.audit.inspect_trajectory import collect, render
 
     async with open_bus(url) as bus:
         info = await collect(bus, args.trajectory_id)
-    print(render(args.trajectory_id, info, args.steps))
+    decode = None
+    if args.contexts and args.config:
+        from gyre_async.compose import build_tokenizer
+
+        tokenizer = build_tokenizer(cfg)
+        decode = lambda ids: tokenizer.decode(ids, skip_special=False)  # noqa: E731
+    print(render(args.trajectory_id, info, args.steps, args.contexts, decode))
     return 0 if info["steps"] or info["segments"] else 1
 
 

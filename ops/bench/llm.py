@@ -79,6 +79,7 @@ from gyre_async.bus.reading import read_events
 from gyre_async.compose import build_policy, build_tokenizer
 from gyre_async.core.evaluation import evaluate, validation_policy
 from gyre_async.core.rollout import PolicyHolder
+from gyre_async.core.segmenter import segment_contexts
 from gyre_async.policy.context import ContextBuilder
 from schemas.config import Config
 from schemas.events import PolicyVersion, TrajectoryStep
@@ -115,6 +116,7 @@ def bench_config(args: argparse.Namespace) -> Config:
         task={"env": args.env, "env_config": train},
         policy={"backend": args.sampler, "model": "smollm2",
                 "context_tokens": args.context_tokens, "history_turns": args.history_turns,
+                "context": args.context,
                 "max_action_tokens": args.max_action_tokens,
                 "lora": {"rank": args.lora_rank, "alpha": 2.0 * args.lora_rank},
                 "vllm_lora": args.vllm_lora},
@@ -135,7 +137,7 @@ def bench_config(args: argparse.Namespace) -> Config:
 
 async def validation(cfg: Config, policy) -> dict:
     builder = ContextBuilder(build_tokenizer(cfg), cfg.policy.context_tokens,
-                             cfg.policy.history_turns)
+                             cfg.policy.history_turns, mode=cfg.policy.context)
     started = time.monotonic()
     r = await evaluate(cfg, PolicyHolder(policy, 0), builder, None, cfg.evaluator.greedy)
     return {"success": r["success_rate"], "score": r["mean_score"],
@@ -179,9 +181,9 @@ def run_pairs(store_url: str, limit: int) -> tuple[list[list[int]], list[list[in
     store = SegmentStore(store_url, durable=False)
     for sid in store.list_segments():
         arrays = store.read(store.address(sid))
-        for row in range(arrays["context_tokens"].shape[0]):
-            n_ctx, n_act = int(arrays["context_len"][row]), int(arrays["action_mask"][row].sum())
-            contexts.append(arrays["context_tokens"][row, :n_ctx].tolist())
+        for row, context in enumerate(segment_contexts(arrays)):  # either layout
+            n_act = int(arrays["action_mask"][row].sum())
+            contexts.append(context)
             actions.append(arrays["action_tokens"][row, :n_act].tolist())
             logps.append(arrays["action_logprobs"][row, :n_act].tolist())
             if len(contexts) >= limit:
@@ -548,6 +550,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--warmstart-learning-rate", type=float, default=5e-4)
     p.add_argument("--context-tokens", type=int, default=320)
     p.add_argument("--history-turns", type=int, default=0)
+    p.add_argument("--context", default="window", choices=["window", "segment"],
+                   help="policy.context: a window rebuilt every step, or one sequence per "
+                   "segment (then --context-tokens is a segment's budget; see "
+                   "ops/bench/llm_sequence.py)")
     p.add_argument("--max-action-tokens", type=int, default=12)
     p.add_argument("--num-envs", type=int, default=8)
     p.add_argument("--batch-steps", type=int, default=32)

@@ -1,0 +1,306 @@
+"""Window contexts vs segment sequences, side by side: the same task, model and starting
+policy version, the whole loop run once in each context mode (``policy.context``).
+
+- ``window`` (today's LLM runs): every step's context is rebuilt from the prompt, the
+  milestone summary and the observation (``history_turns`` past turns), and computed whole
+  by the sampler and again by the learner.
+- ``segment``: one append-only sequence per training segment; the sampler keeps each
+  episode's keys/values between its steps and computes only what is new, the learner reads
+  a segment in one forward pass.
+
+Each mode runs ``gyre run``'s loop for ``--minutes`` in a process of its own (its peak
+memory its own), then plays ``--check-episodes`` episodes with the run's first policy
+version to compare acting's log-probs with the learner's. Per mode:
+
+- ``prefill_tokens_per_step``: context tokens the sampler's policy computed (not taken from
+  its cache) per env step, from the sampler's last heartbeat (``prefill_computed``);
+- ``learner_tokens_per_step``: tokens the learner reads per step and pass over the run's
+  stored segments (each step's context and action; a one-sequence segment's sequence once);
+- ``env_steps_per_s``: the loop's env steps per second (first to last step, the run's
+  summary);
+- ``logprob_max_abs_diff``: the largest difference between the log-probs acting gave a
+  sampled token (raw policy, ``Action.policy_logprobs``) and the learner's for it, on the
+  check episodes: the learner's path of the mode (each context apart; one pass per segment)
+  against acting's (whole contexts; cached prefixes);
+- ``peak_rss_mb``: the mode's process's peak resident memory;
+- ``stale_dropped_fraction``: env steps the learner dropped as stale over those sampled.
+
+``--smoke``: the tiny word policy on the workshop, seconds per mode, in this process (peak
+memory then counts both modes); what ``tests/test_llm_sequence.py`` runs. The real one is
+SmolLM2-135M-Instruct + LoRA on TextWorldExpress coin, 7 rooms (Run F's task and settings).
+Last line, one JSON object: {"bench": "llm_sequence", "prefill_tokens_per_step":
+{"window": x, "segment": x}, ..., "ratios": {...}}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+
+from _common import TINY, make_config, memory_kb, print_result, run_summary
+
+from gyre_async.bus import open_bus
+from gyre_async.bus.reading import read_events
+from gyre_async.compose import build_policy
+from gyre_async.core.resumption import task_id_of
+from gyre_async.core.rollout import ActionBatcher, PolicyHolder, StepRecord, run_episode
+from gyre_async.core.segmenter import segment_sequence
+from gyre_async.envs import make_env
+from gyre_async.policy.base import SamplingParams
+from gyre_async.policy.context import ContextBuilder
+from gyre_async.storage.segments import SegmentStore
+from schemas.config import Config
+from schemas.events import Heartbeat
+from schemas.topics import TELEMETRY
+
+MODES = ("window", "segment")
+FIELDS = ("prefill_tokens_per_step", "learner_tokens_per_step", "env_steps_per_s",
+          "logprob_max_abs_diff", "peak_rss_mb", "stale_dropped_fraction")
+#: check episodes play seeds from here on (training seeds start at task.train_seed_start)
+CHECK_SEED = 9_000_000
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--smoke", action="store_true", help="tiny policy, workshop, seconds")
+    p.add_argument("--out", default="runs/bench-llm-sequence", help="run directories, result")
+    p.add_argument("--minutes", type=float, default=5.0, help="loop wall clock per mode")
+    p.add_argument("--modes", default=",".join(MODES), help="which modes, in this order")
+    p.add_argument("--twx-game", default="coin")
+    p.add_argument("--twx-params", default="numLocations=7,includeDoors=0,numDistractorItems=0")
+    p.add_argument("--max-steps", type=int, default=20, help="episode cap (Run F: 20)")
+    p.add_argument("--window-tokens", type=int, default=320,
+                   help="window mode: policy.context_tokens (Run F: 320)")
+    p.add_argument("--history-turns", type=int, default=0, help="window mode (Run F: 0)")
+    p.add_argument("--segment-tokens", type=int, default=2048,
+                   help="segment mode: policy.context_tokens, the budget of one segment")
+    p.add_argument("--max-action-tokens", type=int, default=12)
+    p.add_argument("--num-envs", type=int, default=8)
+    p.add_argument("--batch-steps", type=int, default=32)
+    p.add_argument("--minibatch-steps", type=int, default=8)
+    p.add_argument("--micro-steps", type=int, default=2, help="window mode's micro-batches")
+    p.add_argument("--micro-tokens", type=int, default=2400,
+                   help="segment mode's micro-batches (whole segments up to this many tokens)")
+    p.add_argument("--lora-rank", type=int, default=8)
+    p.add_argument("--learning-rate", type=float, default=2e-4)
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--check-episodes", type=int, default=2)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)  # one mode's process
+    return p
+
+
+def mode_config(args: argparse.Namespace, mode: str) -> Config:
+    """The run of one mode: everything the same but ``policy.context`` (and the token
+    budget and micro-batching that go with it)."""
+    run = {"run_id": f"seq-{mode}", "run_dir": os.path.join(args.out, mode), "seed": args.seed,
+           "mode": "async"}
+    if args.smoke:
+        return make_config(
+            TINY, run=run,
+            policy={"context": mode, "context_tokens": 64 if mode == "window" else 160},
+            task={"env_config": {"n_orders": 3, "max_steps": 40}},
+            sampler={"num_envs": 4}, segmenter={"max_segment_steps": 8},
+            learner={"batch_steps": 64, "minibatch_steps": 32, "max_versions": 1,
+                     "micro_tokens": 400 if mode == "segment" else 0},
+            evaluator={"every_versions": 0, "seeds": [0]},
+            loop={"max_wall_s": 60 * args.minutes})
+    segment = mode == "segment"
+    return make_config(
+        run=run,
+        task={"env": "twx", "env_config": {"game": args.twx_game, "params": args.twx_params,
+                                           "max_steps": args.max_steps, "admissible": "hint"}},
+        policy={"backend": "hf", "model": "smollm2", "context": mode,
+                "context_tokens": args.segment_tokens if segment else args.window_tokens,
+                "history_turns": 0 if segment else args.history_turns,
+                "max_action_tokens": args.max_action_tokens,
+                "lora": {"rank": args.lora_rank, "alpha": 2.0 * args.lora_rank}},
+        sampler={"num_envs": args.num_envs, "temperature": args.temperature, "group_size": 1,
+                 "step_timeout_s": 300.0},
+        segmenter={"max_segment_steps": args.max_steps, "cap_ends_episode": True},
+        learner={"batch_steps": args.batch_steps, "minibatch_steps": args.minibatch_steps,
+                 "epochs": 1, "learning_rate": args.learning_rate, "max_versions": 0,
+                 "micro_steps": 0 if segment else args.micro_steps,
+                 "micro_tokens": args.micro_tokens if segment else 0, "entropy_coef": 0.0},
+        evaluator={"every_versions": 0, "seeds": [0], "temperature": args.temperature,
+                   "env_config": {"split": "dev"}},
+        loop={"max_wall_s": 60 * args.minutes, "max_staleness": 2})
+
+
+# --- the figures of one mode ----------------------------------------------------------------
+
+async def sampler_stats(cfg: Config) -> dict[str, float]:
+    """The sampler's last heartbeat (sent as it stopped): its counters."""
+    stats: dict[str, float] = {}
+    async with open_bus(f"sqlite:///{cfg.run.run_dir}/events.db") as bus:
+        async for _, event in read_events(bus, [TELEMETRY], on_bad="skip",
+                                          run_id=cfg.run.run_id):
+            if isinstance(event, Heartbeat) and event.role == "sampler":
+                stats = dict(event.stats)
+    return stats
+
+
+def learner_tokens(cfg: Config) -> tuple[int, int]:
+    """(tokens, steps) of the run's stored segments as the learner reads them in a pass."""
+    store = SegmentStore(f"{cfg.run.run_dir}/segments.zarr", read_only=True)
+    tokens = steps = 0
+    for sid in store.list_segments():
+        arrays = store.read(store.address(sid))
+        actions = arrays["action_mask"].sum(axis=1)
+        sequence = segment_sequence(arrays)
+        tokens += len(sequence) if sequence is not None else int(
+            (arrays["context_len"] + actions).sum())
+        steps += len(actions)
+    return tokens, steps
+
+
+def logprob_check(cfg: Config, episodes: int) -> dict[str, float]:
+    """Acting vs learning with the run's first version (a fresh policy: version 0 of the
+    run), on ``episodes`` episodes played as the sampler plays them (segment mode: cached
+    prefixes). The max |difference| of each sampled token's log-prob, acting's raw one
+    against the learner's (window: each context apart; segment: one pass per segment), and
+    in segment mode one pass against each context apart."""
+    import torch
+
+    policy = build_policy(cfg)
+    builder = ContextBuilder(policy.tokenizer, cfg.policy.context_tokens,
+                             cfg.policy.history_turns, mode=cfg.policy.context)
+    records: dict[str, list[StepRecord]] = {}
+
+    async def play() -> None:
+        params = SamplingParams(temperature=cfg.sampler.temperature,
+                                max_action_tokens=cfg.policy.max_action_tokens)
+        batcher = ActionBatcher(PolicyHolder(policy, 0), params, seed=cfg.run.seed)
+        batcher.active = episodes
+
+        async def one(k: int) -> None:
+            seed, tid = CHECK_SEED + k, f"check-{k}"
+            records[tid] = []
+            env = make_env(cfg.task.env, **cfg.task.env_config)
+
+            async def on_step(record: StepRecord) -> None:
+                records[tid].append(record)
+
+            async def act(context):
+                return await batcher.act(context, session=tid if builder.segments else None)
+            try:
+                await run_episode(env, task_id_of(cfg.task.env, seed), seed, act, builder,
+                                  step_timeout_s=cfg.sampler.step_timeout_s, on_step=on_step,
+                                  segments=cfg.segmenter)
+            finally:
+                batcher.active -= 1
+                await env.close()
+        try:
+            await asyncio.gather(*(one(k) for k in range(episodes)))
+        finally:
+            batcher.close()
+
+    asyncio.run(play())
+    steps = [r for recs in records.values() for r in recs]
+    out = {"steps": float(len(steps)),
+           "prefill_tokens_per_step": round(policy.prefill_computed / len(steps), 1)}
+    acted = torch.zeros(len(steps), max(len(r.acted.action.tokens) for r in steps))
+    for i, r in enumerate(steps):
+        acted[i, :len(r.acted.action.tokens)] = torch.tensor(r.acted.action.policy_logprobs)
+    with torch.no_grad():
+        apart = policy.evaluate([r.context for r in steps], [r.acted.action.tokens
+                                                              for r in steps]).logprobs
+        if not builder.segments:
+            out["acting_vs_learner"] = float((acted - apart).abs().max())
+            out["learner_tokens_per_step"] = round(sum(
+                len(r.context) + len(r.acted.action.tokens) for r in steps) / len(steps), 1)
+            return out
+        sequences, decisions, current = [], [], []
+        for recs in records.values():
+            for r in recs:
+                current.append(r)
+                if r.boundary is not None or r is recs[-1]:
+                    sequences.append(current[-1].context + current[-1].acted.action.tokens)
+                    decisions.append([(len(s.context), len(s.acted.action.tokens))
+                                      for s in current])
+                    current = []
+        one = policy.evaluate_sequences(sequences, decisions).logprobs
+    out["acting_vs_learner"] = float((acted - one).abs().max())
+    out["one_pass_vs_apart"] = float((one - apart).abs().max())
+    out["learner_tokens_per_step"] = round(sum(map(len, sequences)) / len(steps), 1)
+    return out
+
+
+def measure(args: argparse.Namespace, mode: str) -> dict:
+    """One mode: the loop, then its figures."""
+    cfg = mode_config(args, mode)
+    started = time.monotonic()
+    summary = run_summary(cfg)
+    loop_s = time.monotonic() - started
+    stats = asyncio.run(sampler_stats(cfg))
+    tokens, stored_steps = learner_tokens(cfg)
+    check = logprob_check(cfg, args.check_episodes)
+    sampled = max(stats.get("steps", 0.0), 1.0)
+    return {
+        "prefill_tokens_per_step": round(stats.get("prefill_computed", 0.0) / sampled, 1),
+        "prefill_reused_per_step": round(stats.get("prefill_reused", 0.0) / sampled, 1),
+        "learner_tokens_per_step": round(tokens / max(stored_steps, 1), 1),
+        "env_steps_per_s": summary["env_steps_per_s"],
+        "logprob_max_abs_diff": check["acting_vs_learner"],
+        "one_pass_vs_apart_max_abs_diff": check.get("one_pass_vs_apart"),
+        "peak_rss_mb": round(memory_kb()[0] / 1024, 1),
+        "stale_dropped_fraction": summary.get("stale_dropped_fraction") or 0.0,
+        "env_steps": summary["env_steps"], "stored_steps": stored_steps,
+        "policy_versions": summary["policy_versions"], "loop_s": round(loop_s, 1),
+        # the check episodes' own figures (the same policy version in both modes)
+        "check_steps": check["steps"],
+        "check_prefill_tokens_per_step": check["prefill_tokens_per_step"],
+        "check_learner_tokens_per_step": check["learner_tokens_per_step"],
+    }
+
+
+def in_child(args: argparse.Namespace, argv: list[str], mode: str) -> dict:
+    """``measure`` in a process of its own (its peak memory, no state shared)."""
+    env = {**os.environ, "MALLOC_ARENA_MAX": os.environ.get("MALLOC_ARENA_MAX", "2")}
+    out = subprocess.run([sys.executable, __file__, *argv, "--child", mode], env=env,
+                         capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        raise RuntimeError(f"mode {mode} failed ({out.returncode}):\n{out.stderr[-4000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def result_of(args: argparse.Namespace, per_mode: dict[str, dict]) -> dict:
+    modes = list(per_mode)
+    result: dict = {"bench": "llm_sequence", "smoke": args.smoke}
+    for name in (*FIELDS, "prefill_reused_per_step", "one_pass_vs_apart_max_abs_diff",
+                 "env_steps", "policy_versions", "loop_s", "check_steps",
+                 "check_prefill_tokens_per_step", "check_learner_tokens_per_step"):
+        result[name] = {mode: per_mode[mode].get(name) for mode in modes}
+    if set(modes) == set(MODES):
+        w, s = per_mode["window"], per_mode["segment"]
+        result["ratios"] = {  # segment / window (targets: <= 0.35, <= 0.35, >= 2.5)
+            name: round(s[name] / w[name], 3) if w[name] else None
+            for name in ("prefill_tokens_per_step", "learner_tokens_per_step",
+                         "env_steps_per_s", "check_prefill_tokens_per_step",
+                         "check_learner_tokens_per_step")}
+    result["settings"] = {k: v for k, v in vars(args).items() if k not in ("child", "out")}
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser().parse_args(argv)
+    if args.child:
+        print(json.dumps(measure(args, args.child)), flush=True)
+        return 0
+    os.makedirs(args.out, exist_ok=True)
+    per_mode = {}
+    for mode in args.modes.split(","):
+        per_mode[mode] = measure(args, mode) if args.smoke else in_child(args, argv, mode)
+        print(f"{mode}: {json.dumps(per_mode[mode])}", file=sys.stderr, flush=True)
+    print_result(result_of(args, per_mode), os.path.join(args.out, "result.json"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

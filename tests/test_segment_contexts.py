@@ -289,6 +289,19 @@ def test_micro_batches_by_tokens_give_the_minibatchs_update(tmp_path):
         assert torch.allclose(split[name], expected, rtol=0, atol=1e-6), name
 
 
+def test_validation_plays_segment_contexts_on_cached_prefixes_and_forgets_them(tiny):
+    from gyre_async.compose import build_policy
+    from gyre_async.core.evaluation import evaluate
+
+    cfg = tiny.config(policy={"context": "segment", "context_tokens": 160})
+    policy = build_policy(cfg)
+    builder = ContextBuilder(policy.tokenizer, 160, 0, mode="segment")
+    result = asyncio.run(evaluate(cfg, PolicyHolder(policy, 0), builder, 2, greedy=True))
+    assert result["episodes"] == 2
+    assert policy.prefill_reused > policy.prefill_computed  # each episode's prefix reused
+    assert not policy._sessions  # ... and forgotten when it ended
+
+
 # -- a Hugging Face causal LM (the same code path as SmolLM2's) -----------------------------
 
 OBSERVATIONS = [

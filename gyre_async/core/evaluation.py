@@ -19,6 +19,7 @@ policy serves them all.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import math
 
@@ -76,18 +77,24 @@ async def evaluate(cfg: Config, holder: PolicyHolder, builder: ContextBuilder,
     batcher = ActionBatcher(holder, params, wait_s=cfg.sampler.batch_wait_s, seed=cfg.run.seed)
     batcher.active = len(plan)
 
-    async def one(task_id: str, seed: int):
+    async def one(index: int, task_id: str, seed: int):
         env = with_macros(make_env(cfg.task.env, **env_config), cfg.macros)
+        # segment contexts: each episode acts on its own cached prefix, forgotten at its end
+        # (named per call: weights may change between two calls)
+        session = f"validation-{id(batcher)}-{index}" if builder.segments else None
+        act = functools.partial(batcher.act, session=session)
         try:
-            return await run_episode(env, task_id, seed, batcher.act, builder,
+            return await run_episode(env, task_id, seed, act, builder,
                                      step_timeout_s=cfg.sampler.step_timeout_s,
                                      segments=cfg.segmenter)
         finally:
             batcher.active -= 1
+            if session is not None:
+                holder.policy.forget_session(session)
             await env.close()
 
     try:
-        results = await asyncio.gather(*(one(t, s) for t, s in plan))
+        results = await asyncio.gather(*(one(i, t, s) for i, (t, s) in enumerate(plan)))
     finally:
         batcher.close()
     milestone_counts: dict[str, int] = {}

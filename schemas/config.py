@@ -482,8 +482,9 @@ class KeeperConfig(Strict):
     contexts, parent vs new, exceeds this (0: not used)."""
     large_update_param_change: NonNegative = 0.0
     """... or when ||new - parent|| / ||parent|| over all weights exceeds this (0: not used)."""
-    probe_contexts: Count = 64
-    """Size of the fixed probe set (first observations of these validation-range seeds)."""
+    probe_contexts: CountOrZero = 64
+    """Size of the fixed probe set (first observations of these validation-range seeds; 0:
+    no probe set, the KL measure of a large update is off)."""
     probe_seed_start: int = 2_000_000
     """Seeds of the probe set (kept apart from training and validation seeds)."""
 

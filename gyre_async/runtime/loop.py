@@ -61,6 +61,12 @@ log = structlog.get_logger(__name__)
 #: more: the stop condition, not the drain, decides the final policy), handle what is
 #: already on the bus, in data-flow order, then let go of what waits for input that will
 #: not come (the segmenter cuts its open segments, the learner refuses its partial batch
+def steps_per_s(rate: float) -> str:
+    """A rate as the progress line shows it: whole steps from 10/s up, else two decimals (a
+    language model's run makes less than one step per second, which read "0" before)."""
+    return f"{rate:6.0f}" if rate >= 10 else f"{rate:6.2f}"
+
+
 #: as ``budget-spent``), so the run ends with nothing in flight and nothing held. The
 #: evaluator and keeper are not waited for: the final evaluation covers the latest version.
 DRAINED_ROLES = ("segmenter", "arbiter", "learner")
@@ -90,7 +96,7 @@ class Progress:
         steps = run.segment_env_steps
         return (f"[{elapsed:6.0f}s] v{run.max_version:<3d} episodes {run.counts.episodes:<5d} "
                 f"train success(100) {recent:5.1%}  steps {steps:<7d} "
-                f"{steps / max(elapsed, 1e-9):6.0f} steps/s  staleness "
+                f"{steps_per_s(steps / max(elapsed, 1e-9))} steps/s  staleness "
                 f"{run.learner_staleness:.0f}  "
                 + (f"val success {ev.success_rate:5.1%} (v{ev.policy_version})" if ev else ""))
 

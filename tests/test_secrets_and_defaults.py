@@ -463,3 +463,26 @@ def test_an_unreachable_kafka_bus_is_one_line_without_traceback(tiny, command):
     assert len(lines) == 1, done.stderr
     assert lines[0].startswith("gyre: bus unreachable: cannot connect to Kafka at " + bootstrap)
     assert "check that the broker runs" in lines[0] and "Traceback" not in done.stderr
+
+
+def test_logging_configured_under_a_swapped_stderr_keeps_working_after_it_closes(monkeypatch):
+    """``configure_logging()`` without a stream writes to the stderr of the moment: a caller
+    that swapped ``sys.stderr`` (a test's capture, an in-process CLI call) and closed it
+    must not make every later log line fail with "I/O operation on closed file"."""
+    import structlog
+
+    from gyre_async.runtime.logs import configure_logging
+
+    swapped = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", swapped)
+    configure_logging("INFO")
+    structlog.get_logger("t").info("first")
+    assert "first" in swapped.getvalue()
+    swapped.close()
+    later = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", later)
+    try:
+        structlog.get_logger("t").info("second")
+    finally:
+        structlog.reset_defaults()
+    assert "second" in later.getvalue()

@@ -18,7 +18,7 @@ def configure_logging(level: str = "INFO", *, json: bool = True, stream=None) ->
     Bind ``run_id``/``actor`` with ``structlog.contextvars.bind_contextvars`` so every line
     an actor writes says who wrote it.
     """
-    stream = stream or sys.stderr
+    stream = stream or _CurrentStderr()
     renderer = structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer()
     structlog.configure(
         processors=[
@@ -37,6 +37,18 @@ def configure_logging(level: str = "INFO", *, json: bool = True, stream=None) ->
     for handler in logging.getLogger().handlers:
         if not any(isinstance(f, RedactingFilter) for f in handler.filters):
             handler.addFilter(RedactingFilter())
+
+
+class _CurrentStderr:
+    """Whatever ``sys.stderr`` is when a line is written, not when logging was configured:
+    a caller that swaps it (a test's output capture, a redirect) and closes its stream
+    afterwards must not leave every later log line writing to a closed file."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
 
 
 def redact_secrets(_logger: Any, _method: str, event_dict: MutableMapping[str, Any]

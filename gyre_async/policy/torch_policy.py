@@ -279,15 +279,15 @@ class CausalLMPolicy(Policy):
         self._check(contexts, n_new)
         gen = torch.Generator().manual_seed(seed) if seed is not None else self._generator
         with self._lock, torch.inference_mode():
-            ids, mask, past = self._prompt(contexts, sessions, n_new)
+            ids, mask, reused = self._prompt(contexts, sessions, n_new)
             width = ids.shape[1] - n_new
-            start = past.shape[1] if isinstance(past, torch.Tensor) else 0
+            start = 0 if reused is None else reused.shape[1]  # the first column computed
             tokens: list[list[int]] = [[] for _ in contexts]
             behaviour: list[list[float]] = [[] for _ in contexts]
             raw: list[list[float]] = [[] for _ in contexts]
             live = torch.ones(len(contexts), dtype=torch.bool, device=self.device)
             hidden, cache = self._forward(ids[:, start:width], mask[:, :width],
-                                          self._past_cache(past, sessions, contexts))
+                                          self._past_cache(reused, sessions))
             for j in range(n_new):
                 if j:  # one new column, attending to the cached ones
                     hidden, cache = self._forward(ids[:, width + j - 1:width + j],
@@ -323,12 +323,12 @@ class CausalLMPolicy(Policy):
 
     # -- sessions: keys/values kept between an episode's steps ------------------------------
     def _prompt(self, contexts: list[list[int]], sessions: list[str | None] | None,
-                n_new: int) -> tuple[torch.Tensor, torch.Tensor, Any]:
+                n_new: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """ids and mask [B, P + S + n_new] of a batch whose first P columns are reused from
         cached sessions (right-aligned, ``[pad | cached]``) and the next S are computed
-        (left-padded, ``[pad | new]``); ``past`` is the [B, P] mask of the reused columns
-        (an int 0 when nothing is reused). The reused columns' ids are the real tokens (never
-        fed to the model: they only say what a session then holds)."""
+        (left-padded, ``[pad | new]``), and the [B, P] mask of the reused columns (None when
+        nothing is reused). The reused columns' ids are the real tokens (never fed to the
+        model: they only say what a session then holds)."""
         reuse = [0] * len(contexts)
         if sessions is not None:
             for i, (context, session) in enumerate(zip(contexts, sessions)):
@@ -350,22 +350,21 @@ class CausalLMPolicy(Policy):
         ids = torch.cat([old_ids, new_ids, torch.full((len(contexts), n_new), pad)], 1)
         mask = torch.cat([old_mask, new_mask,
                           torch.zeros((len(contexts), n_new), dtype=torch.bool)], 1)
-        past: Any = old_mask.to(self.device) if width_p else 0
-        return ids.to(self.device), mask.to(self.device), past
+        reused = old_mask.to(self.device) if width_p else None
+        return ids.to(self.device), mask.to(self.device), reused
 
-    def _past_cache(self, past: Any, sessions: list[str | None] | None,
-                    contexts: list[list[int]]) -> Any:
+    def _past_cache(self, reused_mask: torch.Tensor | None,
+                    sessions: list[str | None] | None) -> Any:
         """The model cache of the reused columns (None when nothing is reused)."""
-        if not isinstance(past, torch.Tensor):
+        if reused_mask is None or sessions is None:
             return None
-        assert sessions is not None
-        reused = past.sum(1).tolist()
-        width_p = past.shape[1]
+        reused = reused_mask.sum(1).tolist()
+        width_p = reused_mask.shape[1]
         first = next(self._sessions[s] for s, r in zip(sessions, reused) if r and s)
         layers = []
         for layer, (k0, v0) in enumerate(first.layers):
-            keys = k0.new_zeros((len(contexts), k0.shape[0], width_p, k0.shape[2]))
-            values = v0.new_zeros((len(contexts), v0.shape[0], width_p, v0.shape[2]))
+            keys = k0.new_zeros((len(sessions), k0.shape[0], width_p, k0.shape[2]))
+            values = v0.new_zeros((len(sessions), v0.shape[0], width_p, v0.shape[2]))
             for i, (session, r) in enumerate(zip(sessions, reused)):
                 if r and session is not None:
                     k, v = self._sessions[session].layers[layer]

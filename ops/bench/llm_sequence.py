@@ -291,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser().parse_args(argv)
     if args.child:
-        print(json.dumps(measure(args, args.child)), flush=True)
+        print_result(measure(args, args.child))  # the parent reads this last line
         return 0
     os.makedirs(args.out, exist_ok=True)
     per_mode = {}

@@ -166,3 +166,37 @@ def test_release_keeps_what_other_partitions_segmented():
     assert core.next_step == {"b": 1} and core.ended == {"b"}
     assert core.add(step("b", 0), (1, 1)) == []  # still skipped as already segmented
     assert [s.trajectory_id for s in core.add(step("a", 0), (0, 1))] == ["a"]
+
+
+def test_steps_out_of_their_trajectorys_order_are_refused_never_skipped_silently():
+    """A trajectory's steps come in order on one partition, so a step that cannot be a
+    redelivery is refused (the actor dead-letters it) before anything changes: one of a gap
+    already cut around, one after the trajectory's end, a second event for a step the open
+    segment holds. Redeliveries (the same event again, or a step already segmented) are
+    still skipped, and a partition that leaves takes what was learnt of its gaps along."""
+    import msgspec
+    import pytest
+
+    from gyre_async.core.segmenter import OutOfOrderStep
+
+    core = SegmenterCore(SegmenterConfig(max_segment_steps=100))
+    for i in (0, 1, 2):
+        assert core.add(step("a", i), (0, i)) == []
+    with pytest.raises(OutOfOrderStep, match="step 1 of trajectory 'a' came after step 2 "
+                                             "under another event id"):
+        core.add(msgspec.structs.replace(step("a", 1), event_id="other"), (0, 3))
+    assert core.add(step("a", 1), (0, 1)) == []  # the same event again: a redelivery
+    [cut] = core.add(step("a", 5), (0, 4))  # 3 and 4 never came: cut before the gap
+    assert [s.step_index for s in cut.steps] == [0, 1, 2]
+    with pytest.raises(OutOfOrderStep, match=r"step 3 of trajectory 'a' came after step 5"):
+        core.add(step("a", 3), (0, 5))
+    [end] = core.add(step("a", 6, done=True), (0, 6))
+    assert [s.step_index for s in end.steps] == [5, 6]
+    with pytest.raises(OutOfOrderStep, match=r"came after the segment cut before its gap \[3, 5\)"):
+        core.add(step("a", 4), (0, 7))
+    with pytest.raises(OutOfOrderStep, match="step 7 of trajectory 'a' came after its end"):
+        core.add(step("a", 7), (0, 8))
+    assert core.add(step("a", 6, done=True), (0, 6)) == []  # segmented already: skipped
+    assert core.open == {} and core.next_step == {"a": 7}  # the refusals changed nothing
+    core.release({0})  # the partition moves: read again from the floor by its new owner
+    assert core.gaps == {}

@@ -182,6 +182,13 @@ def _lower(floor: CommitFloor, partition: int, offset: int) -> None:
     floor[where] = min(floor.get(where, offset), offset)
 
 
+class OutOfOrderStep(ValueError):
+    """A trajectory step that arrived out of its trajectory's order (after a gap was cut
+    around it, after the trajectory's end, or a second event for a step already held): not
+    a redelivery, never segmented; the segmenter dead-letters it with this reason. The
+    sampler publishes a trajectory's steps in order, on one partition (its key)."""
+
+
 class SegmenterCore:
     """Pure segmentation logic: steps in, closed segments out (no bus, no storage)."""
 
@@ -190,6 +197,9 @@ class SegmenterCore:
         self.open: dict[str, OpenSegment] = {}
         self.next_step: dict[str, int] = {}  # first step index not yet in a closed segment
         self.ended: set[str] = set()
+        #: per trajectory, the step ranges ``[start, end)`` a segment was cut before because
+        #: they never came (see :meth:`add`): a step of one arriving later is out of order
+        self.gaps: dict[str, list[tuple[int, int]]] = {}
         #: the input partition of each trajectory this core took steps of (a trajectory's
         #: steps share one partition, its key): what ``release`` forgets
         self.partition_of: dict[str, int] = {}
@@ -211,19 +221,22 @@ class SegmenterCore:
         :class:`~gyre_async.core.segment_context.UnresolvedContext` before anything changes
         (the actor dead-letters it)."""
         tid = step.trajectory_id
-        if tid in self.ended or step.step_index < self.next_step.get(tid, 0):
-            return []  # already segmented (redelivery after a restart)
+        if self._seen_before(step):
+            return []  # already segmented (redelivery after a restart), or this step again
         seg = self.open.get(tid)
-        if seg is not None and seg.steps and step.step_index <= seg.steps[-1].step_index:
-            return []  # duplicate within the open segment
-        gap = seg is not None and bool(seg.steps) \
-            and step.step_index != seg.steps[-1].step_index + 1
+        held = seg is not None and bool(seg.steps)
+        expected = seg.steps[-1].step_index + 1 if seg and seg.steps \
+            else self.next_step.get(tid, 0)
+        gap = step.step_index != expected
         step = resolve_step(step, seg.steps[-1] if seg and seg.steps and not gap else None)
         self.partition_of[tid] = where[0]
         closed: list[ClosedSegment] = []
         if gap:
-            # A step lost upstream (e.g. dead-lettered): a segment covers contiguous steps
-            # only, so cut before the gap and start a new segment at this step.
+            # Steps lost upstream (e.g. dead-lettered): remembered, so that one of them
+            # coming later is refused as out of order, not skipped as segmented already.
+            self.gaps.setdefault(tid, []).append((expected, step.step_index))
+        if gap and held:
+            # A segment covers contiguous steps only: cut before the gap, start at this step.
             closed.append(self._close(tid, "max-length", terminal=False))
         seg = self.open.setdefault(tid, OpenSegment())
         seg.steps.append(step)
@@ -238,6 +251,35 @@ class SegmenterCore:
         # a capped episode is lost when the cap is the task's
         terminal = boundary == "trajectory-end" and (step.done or self.config.cap_ends_episode)
         return [*closed, self._close(tid, boundary, terminal=terminal)]
+
+    def _seen_before(self, step: TrajectoryStep) -> bool:
+        """True: ``step`` is one this core has segmented or holds already (a redelivery:
+        skip it). Raises :class:`OutOfOrderStep` for a step that cannot be a redelivery,
+        since a trajectory's steps reach the segmenter in order on one partition: one of
+        a gap already cut around, one after the trajectory's end, or another event for a
+        step index the open segment holds. Nothing changes before it raises (the actor
+        dead-letters the step), and steps that belong are never skipped silently."""
+        tid, index = step.trajectory_id, step.step_index
+        done = self.next_step.get(tid, 0)
+        if index < done:
+            for start, end in self.gaps.get(tid, ()):
+                if start <= index < end:
+                    raise OutOfOrderStep(f"step {index} of trajectory {tid!r} came after the "
+                                         f"segment cut before its gap [{start}, {end})")
+            return True
+        if tid in self.ended:
+            last = f"its last step was {done - 1}" if done else "an env-error ended it"
+            raise OutOfOrderStep(f"step {index} of trajectory {tid!r} came after its end "
+                                 f"({last})")
+        seg = self.open.get(tid)
+        if seg is None or not seg.steps or index > seg.steps[-1].step_index:
+            return False
+        held = next((s for s in seg.steps if s.step_index == index), None)
+        if held is not None and held.event_id == step.event_id:
+            return True
+        raise OutOfOrderStep(
+            f"step {index} of trajectory {tid!r} came after step {seg.steps[-1].step_index}"
+            + (f" under another event id than the one held ({held.event_id})" if held else ""))
 
     def abort(self, error: EnvError) -> list[ClosedSegment]:
         """An environment failure ends the trajectory: close what is open, as truncated
@@ -290,6 +332,7 @@ class SegmenterCore:
         for tid in [tid for tid, p in self.partition_of.items() if p in partitions]:
             self.next_step.pop(tid, None)
             self.ended.discard(tid)
+            self.gaps.pop(tid, None)
             del self.partition_of[tid]
         return len(gone)
 

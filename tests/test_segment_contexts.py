@@ -355,14 +355,19 @@ def check_segment_path(policy, budget: int, atol: float) -> None:
     assert torch.allclose(behaviour, one.logprobs, atol=atol)  # acting == learning
 
 
-def test_a_hugging_face_model_acts_on_cached_prefixes_and_reads_segments_in_one_pass(
-        tmp_path):
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
     pytest.importorskip("transformers")
     from test_lora import small_llama
 
+    return small_llama(tmp_path_factory.mktemp("llama"), seed=0)
+
+
+def test_a_hugging_face_model_acts_on_cached_prefixes_and_reads_segments_in_one_pass(
+        llama_dir):
     from gyre_async.policy.hf_policy import HFPolicy
 
-    policy = HFPolicy.from_pretrained(small_llama(tmp_path / "llama", seed=0), seed=1)
+    policy = HFPolicy.from_pretrained(llama_dir, seed=1)
     check_segment_path(policy, budget=400, atol=1e-5)
     # a chat transcript: an action that ended its turn is not closed twice
     builder = ContextBuilder(policy.tokenizer, 400, 0, mode="segment")
@@ -391,7 +396,7 @@ def test_a_run_with_segment_contexts_passes_its_audits_and_replays_bit_for_bit(t
     cfg = tiny.config(policy={"context": "segment", "context_tokens": 160},
                       learner={"max_versions": 2, "batch_steps": 128, "micro_tokens": 600},
                       evaluator={"every_versions": 0})
-    asyncio.run(run_loop(cfg, progress=False))
+    asyncio.run(run_loop(cfg))
 
     async def audit():
         async with open_bus(f"sqlite:///{cfg.run.run_dir}/events.db") as bus:
@@ -422,3 +427,29 @@ def test_a_run_with_segment_contexts_passes_its_audits_and_replays_bit_for_bit(t
     layouts = [segment_sequence(store.read(store.address(sid))) is not None
                for sid in store.list_segments()]
     assert sum(layouts) > len(layouts) / 2  # most segments are one sequence each
+
+
+def test_the_base_models_log_probs_are_read_in_one_pass_too(llama_dir):
+    """LoRA's KL to the base (``learner.kl_to_base``): with the adapters off, one pass over a
+    segment gives the base's log-probs of every step, as evaluating each step apart."""
+    from test_lora import LORA
+
+    from gyre_async.policy.hf_policy import HFPolicy
+
+    policy = HFPolicy.from_pretrained(llama_dir, seed=1, lora=LORA)
+    with torch.no_grad():  # adapters that move the policy away from its base
+        for name, weight in policy.model.named_parameters():
+            if "lora_B" in name:
+                weight.add_(0.05)
+    builder = ContextBuilder(policy.tokenizer, 400, 0, mode="segment")
+    played = act_through_segments(policy, builder, sessions=True, steps=3)
+    sequences = [pairs[-1][0] + pairs[-1][1].tokens for pairs in played]
+    decisions = [[(len(c), len(a.tokens)) for c, a in pairs] for pairs in played]
+    pairs = [p for episode in played for p in episode]
+    with policy.adapters_off():
+        one = policy.evaluate_sequences(sequences, decisions).logprobs
+    apart = policy.base_logprobs([c for c, _ in pairs], [a.tokens for _, a in pairs])
+    with torch.no_grad():
+        tuned = policy.evaluate_sequences(sequences, decisions).logprobs
+    assert torch.allclose(one, apart, atol=1e-5)
+    assert not torch.allclose(one, tuned, atol=1e-3)  # the adapters were really off

@@ -164,15 +164,16 @@ class PpoEpochs:
         return self.dp.sum(proximal) if self.dp else proximal
 
     def _base_logprobs(self, width: int) -> torch.Tensor:
-        """Log-probs [n, width] under the base model (adapters off), once per batch."""
+        """Log-probs [n, width] under the base model (adapters off), once per batch (a
+        one-sequence segment read in one pass, as everywhere)."""
         prep = self.prep
         base = torch.zeros(prep.n, width)
-        for rows in index_slices(prep.n, 1024):
-            rows = self.dp.owned(rows) if self.dp else rows
-            if rows:
-                out = self.policy.base_logprobs([prep.contexts[i] for i in rows],
-                                                [prep.actions[i] for i in rows])
-                base[rows, : out.shape[1]] = out.float()
+        with self.policy.adapters_off():
+            for rows in index_slices(prep.n, 1024):
+                rows = self.dp.owned(rows) if self.dp else rows
+                if rows:
+                    out = self._evaluate(rows).logprobs
+                    base[rows, : out.shape[1]] = out.float()
         return self.dp.sum(base) if self.dp else base
 
     def _accumulate(self, rows: list[int], mb_rows: int, mb_tokens: int) -> dict[str, float]:

@@ -30,10 +30,11 @@ value head train, and checkpoints hold only those, naming the base they apply to
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -294,12 +295,20 @@ class HFPolicy(CausalLMPolicy):
                       ) -> torch.Tensor:
         """Log-probs [B, A] of ``actions`` under the base model: this policy with its LoRA
         adapters disabled (peft's ``disable_adapter``), without grad."""
+        with self.adapters_off():
+            return self.evaluate(contexts, actions).logprobs
+
+    @contextlib.contextmanager
+    def adapters_off(self) -> Iterator[None]:
+        """While inside: this policy is its base model (LoRA adapters disabled, peft's
+        ``disable_adapter``), without grad; any evaluation (``evaluate``,
+        ``evaluate_sequences``) gives the base's log-probs."""
         if self.lora is None:
             raise ValueError("base_logprobs needs [policy.lora]: without adapters the base "
                              "model is not in memory")
         lm: Any = self._model.lm
         with lm.disable_adapter(), torch.no_grad():
-            return self.evaluate(contexts, actions).logprobs
+            yield
 
     def merged_lm(self) -> nn.Module:
         """The language model alone, adapters folded into the base weights (for export;

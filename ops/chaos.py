@@ -127,7 +127,7 @@ class Chaos:
                                                             os.environ.get("PYTHONPATH")])))
         with open(self.log_path, "w") as log:
             return subprocess.Popen(
-                [sys.executable, "-m", "gyre_async.runtime.launcher", str(cfg), "--bus", self.url,
+                [sys.executable, "-m", "gyre_async.cli", "launch", str(cfg), "--bus", self.url,
                  "--status-file", str(self.status), "--max-restarts", "-1",
                  "--stop-timeout", "30", "--roles", ",".join(ROLES)],
                 cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)

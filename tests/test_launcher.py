@@ -82,7 +82,7 @@ def launch(tmp_path: Path, cfg: Path, bus: str, *extra: str) -> tuple[subprocess
     status = tmp_path / "status.json"
     with open(tmp_path / "launcher.log", "w") as log:  # the child keeps its own descriptor
         proc = subprocess.Popen(
-            [sys.executable, "-m", "gyre_async.runtime.launcher", str(cfg), "--bus", bus,
+            [sys.executable, "-m", "gyre_async.cli", "launch", str(cfg), "--bus", bus,
              "--status-file", str(status), *extra],
             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     return proc, status
@@ -405,7 +405,7 @@ def test_replicas_expand_into_named_processes_with_replica_flags():
 def test_gyre_actor_replica_sets_the_sampler_section_and_the_name(tiny):
     from types import SimpleNamespace
 
-    from gyre_async.cli.main import _replica
+    from gyre_async.cli.actor import replica_config as _replica
     from gyre_async.errors import ConfigError
 
     cfg = tiny.config()

@@ -253,7 +253,7 @@ def test_launcher_restarts_a_killed_sampler_replica_which_resumes_only_its_own_e
         return asyncio.run(count())
 
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "gyre_async.runtime.launcher",
+        proc = subprocess.Popen([sys.executable, "-m", "gyre_async.cli", "launch",
                                  str(config), "--bus", url, "--status-file", str(status),
                                  "--replicas", "sampler=2", "--max-restarts", "2"],
                                 cwd=root, stdout=log, stderr=subprocess.STDOUT)

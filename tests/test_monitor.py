@@ -275,7 +275,7 @@ def test_monitor_in_a_pty_follows_a_running_loop(tmp_path, tiny):
         while not (run_dir / "events.db").exists() and time.monotonic() < deadline:
             assert run.poll() is None, (tmp_path / "run.log").read_text()[-3000:]
             time.sleep(0.2)
-        screen = PtyScreen([sys.executable, "-m", "gyre_async.ui.monitor", "--bus", url,
+        screen = PtyScreen([sys.executable, "-m", "gyre_async.cli", "monitor", "--bus", url,
                             "--refresh", "0.3"], env)
         checked, versions_seen = 0, []
         while run.poll() is None and time.monotonic() < deadline:
@@ -309,7 +309,7 @@ def test_monitor_in_a_pty_follows_a_running_loop(tmp_path, tiny):
         last = screen.close() if screen else ""
     assert "stopped" in last  # SIGTERM ends the live view gracefully
 
-    once = subprocess.run([sys.executable, "-m", "gyre_async.ui.monitor", "--bus", url, "--once"],
+    once = subprocess.run([sys.executable, "-m", "gyre_async.cli", "monitor", "--bus", url, "--once"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
                           check=False)
     assert once.returncode == 0, once.stderr

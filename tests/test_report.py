@@ -26,8 +26,9 @@ import pytest
 from conftest import TinyConfig
 
 from gyre_async.bus import open_bus
+from gyre_async.cli.report import add_parser, run
 from gyre_async.runtime.loop import run_loop
-from gyre_async.ui.report import add_parser, build_report, run
+from gyre_async.ui.report import build_report
 from schemas import encode
 from schemas.events import (
     DeadLetter,

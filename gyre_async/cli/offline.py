@@ -56,6 +56,15 @@ def add_parser(sub) -> None:
     decoding.add_argument("--sampled", dest="greedy", action="store_false")
     ev.add_argument("--run-dir", help="override run.run_dir")
     ev.add_argument("--bus", help="bus URL (default: the run's embedded log)")
+    for command in (ws, ex, ev):
+        command.set_defaults(handler=run_with_config)
+    em.set_defaults(handler=run_export_model)
+
+
+def run_with_config(args) -> int:
+    from gyre_async.cli.common import config_of
+
+    return run(args, config_of(args))
 
 
 def run(args, cfg) -> int:

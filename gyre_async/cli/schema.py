@@ -29,6 +29,7 @@ def add_parser(sub) -> None:
                    help=f"one of: {', '.join(ALL_TOPICS)} (default: all)")
     p.add_argument("--markdown", action="store_true",
                    help="print every topic's events as a Markdown page (docs/events.md)")
+    p.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -47,7 +47,6 @@ Behaviour:
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -59,7 +58,7 @@ from dataclasses import dataclass, field
 import structlog
 
 from gyre_async.bus.secrets import externalize
-from gyre_async.runtime.topology import CORE_ROLES, ROLES
+from gyre_async.runtime.topology import ROLES
 from gyre_async.storage.atomic import atomic_write_text
 
 log = structlog.get_logger(__name__)
@@ -70,38 +69,6 @@ STABLE_AFTER_S = 60.0
 POLL_S = 0.2
 #: roles that may run as several processes (``--replicas``); the others hold the run's state
 REPLICABLE = ("sampler", "learner", "segmenter", "arbiter", "echo")
-
-
-def add_parser(subparsers) -> argparse.ArgumentParser:
-    """Register ``gyre launch`` on the CLI's subparsers."""
-    p = subparsers.add_parser(
-        "launch", help="run one process per role and restart crashed roles",
-        description="Start one OS process per role (gyre actor ROLE ...), restart a role "
-        "whose process exits abnormally (exponential backoff capped at 10 s), forward "
-        "SIGTERM/SIGINT to the roles and wait for them. Exit status 1 when a role exceeds "
-        "--max-restarts.")
-    p.add_argument("config", help="TOML config file passed to every role")
-    p.add_argument("--bus", help="bus URL for every role (default: config bus.url or the "
-                   "embedded log); kafka:// to spread roles over machines")
-    p.add_argument("--roles", default=",".join(CORE_ROLES),
-                   help=f"comma-separated roles (default: {','.join(CORE_ROLES)})")
-    p.add_argument("--replicas", default="", metavar="ROLE=N[,ROLE=N]",
-                   help="run N processes of a role, named ROLE-0..ROLE-(N-1), e.g. "
-                   f"sampler=4 (roles: {', '.join(REPLICABLE)}; default 1 each)")
-    p.add_argument("--metrics-port-base", type=int, default=0, metavar="N",
-                   help="give process i (in --roles order, replicas in turn) --metrics-port "
-                   "N+i (default: none)")
-    p.add_argument("--metrics-host", metavar="HOST",
-                   help="address the roles' metrics endpoints listen on (default 127.0.0.1: "
-                   "this machine only)")
-    p.add_argument("--max-restarts", type=int, default=10, metavar="N",
-                   help="give up (exit 1) when a role needs more than N restarts in total "
-                   "(default 10; negative: never give up)")
-    p.add_argument("--stop-timeout", type=float, default=30.0, metavar="S",
-                   help="seconds to wait after SIGTERM before SIGKILL (default 30)")
-    p.add_argument("--status-file", help="JSON file kept up to date: role -> pid, restarts")
-    p.add_argument("--run-dir", help="override run.run_dir in every role")
-    return p
 
 
 @dataclass
@@ -370,7 +337,8 @@ def wait_until(what: str, predicate, timeout: float, every: float = 0.2):
 
 
 def run(args) -> int:
-    """``gyre launch``: validate the config and roles, then supervise until done or stopped."""
+    """``gyre launch`` (arguments parsed by :mod:`gyre_async.cli.launch`): validate the
+    config and roles, then supervise until done or stopped."""
     from gyre_async.config import load_config
 
     cfg = load_config(args.config)  # a ConfigError here beats four crash-looping children
@@ -415,28 +383,3 @@ def check_bus(cfg, override: str | None) -> None:
             pass
 
     run_main(connect)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m gyre_async.runtime.launcher CONFIG ...`` (same options as ``gyre launch``)."""
-    from gyre_async.bus import BusUnreachable
-    from gyre_async.errors import ConfigError
-    from gyre_async.runtime.logs import configure_logging
-
-    parser = argparse.ArgumentParser(prog="gyre")
-    parser.add_argument("--log-level", default="WARNING", help="structlog level")
-    add_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["launch", *(argv if argv is not None else sys.argv[1:])])
-    configure_logging(args.log_level)
-    try:
-        return run(args)
-    except ConfigError as exc:
-        print(f"gyre: config error: {exc}", file=sys.stderr)
-        return 2
-    except BusUnreachable as exc:
-        print(f"gyre: bus unreachable: {' '.join(str(exc).split())}", file=sys.stderr)
-        return 1
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

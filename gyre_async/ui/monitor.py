@@ -18,7 +18,6 @@ catches up to the current end, prints one frame, exits.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import sys
@@ -159,60 +158,3 @@ async def _follow(bus, state: MonitorState, console, url: str, refresh_s: float)
             for task in followers:
                 task.cancel()
             await asyncio.gather(*followers, return_exceptions=True)
-
-
-# -- command line ----------------------------------------------------------------------------------
-def _configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    p.add_argument("--bus", metavar="URL",
-                   help="bus URL (default: $GYRE_BUS, else the config's run log)")
-    p.add_argument("--config", help="config file (to find the run's bus)")
-    p.add_argument("--run", dest="run_id", metavar="ID", help="show only events of this run id")
-    p.add_argument("--once", action="store_true",
-                   help="catch up to the current end, print one frame and exit")
-    p.add_argument("--refresh", type=float, default=0.5, metavar="S",
-                   help="seconds between redraws")
-    return p
-
-
-DESCRIPTION = ("Live dashboard of a run, by subscription to every topic of its bus: policy "
-               "version, validation and training success, returns, reward components, "
-               "staleness, throughput per role, consumer lag, heartbeats (silent actors "
-               "named), rollbacks and dead letters. Works on a running `gyre run`, on actors "
-               "in separate processes (embedded or Kafka) and on a finished run's log.")
-
-
-def add_parser(subparsers) -> argparse.ArgumentParser:
-    """Register ``gyre monitor`` on the CLI's subparsers (dispatch with :func:`run`)."""
-    return _configure(subparsers.add_parser("monitor", help="live dashboard of a run's bus",
-                                            description=DESCRIPTION))
-
-
-def run(args: argparse.Namespace) -> int:
-    """Run ``gyre monitor`` for parsed arguments; returns the exit status."""
-    from gyre_async.config import bus_url, load_config
-    from gyre_async.runtime.process import run_main
-
-    url = bus_url(load_config(getattr(args, "config", None)), args.bus)
-    try:
-        return run_main(lambda: monitor(url, args.run_id, args.once, args.refresh))
-    except KeyboardInterrupt:
-        return 130
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m gyre_async.ui.monitor``: the same arguments as ``gyre monitor``."""
-    from gyre_async.errors import ConfigError
-    from gyre_async.runtime.logs import configure_logging
-
-    args = _configure(argparse.ArgumentParser(prog="gyre monitor",
-                                              description=DESCRIPTION)).parse_args(argv)
-    configure_logging("WARNING")
-    try:
-        return run(args)
-    except ConfigError as exc:
-        print(f"gyre monitor: config error: {exc}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

@@ -10,14 +10,12 @@ network and no other file. The PNGs are also written to ``<run_dir>/report/``.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import base64
 import datetime as dt
 import html
 import json
 import os
-import sys
 from collections import Counter
 from collections.abc import Sequence
 from functools import cached_property
@@ -298,31 +296,3 @@ async def build_report(run_dir: str, *, out: str | None = None, bus: str | None 
     d = await load_report_data(run_dir, bus)
     out = os.path.abspath(out or os.path.join(d.run_dir, "report.html"))
     return await asyncio.to_thread(write_report, d, out)
-
-
-def add_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(
-        "report", help="write a self-contained HTML report of a run",
-        description="Read a run's event log (and its config.json / summary.json) and write one "
-        "HTML page that opens offline: learning curves, reward components, staleness, segment "
-        "lengths and boundaries, throughput, learner losses, rollbacks, a summary table, dead "
-        "letters and the config. Figures are embedded PNGs (also written to RUN_DIR/report/). "
-        "Works on finished and live runs; topics without events show 'no data'.")
-    p.add_argument("run_dir", metavar="RUN_DIR", help="run directory made by `gyre run`")
-    p.add_argument("--out", help="HTML file to write (default: RUN_DIR/report.html)")
-    p.add_argument("--bus", help="read the event log from this bus URL (default: RUN_DIR/events.db"
-                   ", else bus.url of RUN_DIR/config.json, e.g. a Kafka run)")
-    return p
-
-
-def run(args: argparse.Namespace) -> int:
-    from gyre_async.runtime.process import run_main
-
-    try:
-        path = run_main(lambda: build_report(args.run_dir, out=getattr(args, "out", None),
-                                             bus=getattr(args, "bus", None)))
-    except FileNotFoundError as exc:
-        print(f"gyre report: {exc}", file=sys.stderr)
-        return 2
-    print(path)
-    return 0

@@ -28,7 +28,7 @@ def test_fast_hostile_rows_are_refused_by_a_live_run(tmp_path):
     cfg = hostile.tiny_config(tmp_path / "run", "hostile-test")
     result = asyncio.run(hostile.measure(f"sqlite:///{tmp_path}/events.db", cfg,
                                          hostile.FAST_ROWS, tmp_path, versions_after=1,
-                                         timeout_s=240))
+                                         timeout_s=420))
     shown = json.dumps({k: v for k, v in result.items() if k != "rows"}, indent=1)
     bad = [r for r in result["rows"] if not r["ok"]]
     assert not bad, (bad, shown)

@@ -10,16 +10,20 @@ local socket this script listens on), paths outside the run's roots (relative, a
 ``..``), forged checkpoints (another producer, another run, a valid checkpoint file outside
 the run that must survive), duplicate ids and out-of-order steps. The run goes on until
 every role that consumes a crafted record has committed past it and the learner has
-published ``--versions-after`` more versions. Then every role is restarted and must
-rebuild its state from the log the hostile records are now part of (the keeper's restart is
-where a forged ``kept-checkpoint`` used to be folded, and its file later deleted; a
-restarted learner and sampler look for the policy in force), and the learner must train
-once more; then everything stops and the script checks:
+published ``--versions-after`` more versions. Then the rows marked ``when="restart"`` go
+out (a version forged in the learner's name, the newest a restart finds), every role is
+restarted and must rebuild its state from the log the hostile records are now part of (the
+keeper's restart is where a forged ``kept-checkpoint`` used to be folded, and its file
+later deleted; a restarted learner and sampler look for the policy in force), commit past
+those rows and train once more; then everything stops and the script checks
+(:mod:`hostile_checks`):
 
-- ``dead_lettered`` / per row ``outcome``: every crafted input was refused with a reason:
-  dead-lettered by each role that must refuse it (read back from ``dead-letter``), skipped
-  as a duplicate id or as another run's (the runners' ``duplicates`` / ``foreign_events``
-  counters moved by as many), or, for the keeper topic, not folded by the restarted keeper;
+- ``refused_as_required`` / per row ``outcome``: every crafted input was refused with a
+  reason: dead-lettered by each role that must refuse it (read back from ``dead-letter``;
+  ``dead_lettered`` counts them), skipped as a duplicate id or as another run's (the
+  runners' ``duplicates`` / ``foreign_events`` counters moved by as many), or, for the
+  keeper topic, not folded by the restarted keeper; the one legit row (64 steps of the
+  longest action texts) must be announced in parts that cover every step;
 - ``crashes``: runner tasks that ended with an error;
 - ``wedged_roles``: roles whose committed offsets did not move past every crafted record
   they consume, and the learner if training did not go on (``versions_after``);
@@ -38,7 +42,7 @@ once more; then everything stops and the script checks:
     python ops/hostile.py --bus kafka://host:9092
     python ops/hostile.py --bus embedded --markdown docs/hostile-inputs.md
 
-Last line: {"inputs", "dead_lettered", "crashes", "wedged_roles",
+Last line: {"inputs", "dead_lettered", "refused_as_required", "crashes", "wedged_roles",
 "files_touched_outside_roots", "outbound_connections", "lost", ..., "rows": [...]};
 exit status 0 only if every row was refused as it must be and every count above is 0.
 """

@@ -31,15 +31,15 @@ from typing import TypeVar
 import torch
 
 from gyre_async import timing
-from gyre_async.audit.credit_log import restore_outcome_book
-from gyre_async.audit.redelivery import recently_trained
-from gyre_async.audit.runlog import policy_versions_in_force
 from gyre_async.bus import Record
 from gyre_async.compose import build_policy, build_tokenizer, load_weights, save_weights
 from gyre_async.core.learner import Dropped, LearnerCore, TrainResult, VersionReason
 from gyre_async.core.learner_dp import LearnerGroup, membership
 from gyre_async.errors import is_retriable
 from gyre_async.experience.elite import open_elite_pool
+from gyre_async.folds.credit_log import restore_outcome_book
+from gyre_async.folds.redelivery import recently_trained
+from gyre_async.folds.runlog import policy_versions_in_force
 from gyre_async.runtime.actor import Actor, Emit
 from gyre_async.storage.checkpoints import CheckpointStore
 from gyre_async.storage.errors import CheckpointError

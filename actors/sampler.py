@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import asyncio
 
-from gyre_async.audit.runlog import policy_versions_in_force
 from gyre_async.bus.reading import read_events
 from gyre_async.core.resumption import UnfinishedTrajectories
 from gyre_async.core.sampler import SamplerCore
+from gyre_async.folds.runlog import policy_versions_in_force
 from gyre_async.runtime.actor import Actor, Emit
 from gyre_async.storage.errors import CheckpointError
 from schemas import Event

@@ -25,13 +25,13 @@ import torch
 from reference_advantages import slow_group_outcome_advantage, slow_segment_gae
 from rich.console import Console
 
-from gyre_async.audit.credit_log import replay_outcome_book
-from gyre_async.audit.run_fold import RunFold
-from gyre_async.audit.runlog import summarize
 from gyre_async.core.learner_batch import BatchItem, prepare_batch
 from gyre_async.core.segmenter import SegmenterCore, segment_arrays, segment_closed
 from gyre_async.envs.base import Env, EnvFailure, StepResult, guarded_step
 from gyre_async.envs.faults import FaultSchedule, FaultyEnv, InjectedFault, with_faults
+from gyre_async.folds.credit_log import replay_outcome_book
+from gyre_async.folds.run_fold import RunFold
+from gyre_async.folds.runlog import summarize
 from gyre_async.policy.base import EvalOutput
 from gyre_async.rewards.arbitration import Arbitration
 from gyre_async.rl.fusion import OutcomeBook

@@ -25,12 +25,12 @@ import pytest
 from test_keeper import _path, _publish, _pv, _versions, _wait_for
 
 from actors.keeper import Keeper
-from gyre_async.audit.runlog import load_runlog
 from gyre_async.bus import open_bus
 from gyre_async.core.keeper import KeeperCore
 from gyre_async.core.keeper_best import final_and_best, read_best, settle_best
 from gyre_async.core.keeper_rules import drop_z, judge
 from gyre_async.core.keeper_slots import KeptSlots
+from gyre_async.folds.runlog import load_runlog
 from gyre_async.runtime.actor import ActorRunner
 from gyre_async.storage.checkpoints import CheckpointStore
 from schemas import event_id

@@ -11,11 +11,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from gyre_async.audit.pacing import stale_dropped_fraction, stale_dropped_steps
 from gyre_async.core.pacing import SegmentCursor
 from gyre_async.core.sampler import SamplerCore
 from gyre_async.core.segmenter import SegmenterCore
 from gyre_async.envs.base import StepResult
+from gyre_async.folds.pacing import stale_dropped_fraction, stale_dropped_steps
 from schemas import event_id
 from schemas.config import SegmenterConfig
 from schemas.events import Milestone, SegmentClosed, SegmentDropped, TrajectoryStep

@@ -29,10 +29,10 @@ from test_bad_inputs import store_segment, tiny_learner_config
 from actors.keeper import Keeper
 from actors.learner import Learner
 from actors.sampler import Sampler
-from gyre_async.audit.runlog import current_policy_version
 from gyre_async.bus import open_bus
 from gyre_async.bus.reading import read_topics
 from gyre_async.compose import build_policy, build_tokenizer, load_weights, save_weights
+from gyre_async.folds.runlog import current_policy_version
 from gyre_async.runtime.actor import ActorRunner
 from gyre_async.runtime.topology import build_actor
 from gyre_async.storage.checkpoints import CheckpointNotFinite, CheckpointStore

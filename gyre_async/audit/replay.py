@@ -203,12 +203,12 @@ async def replay_learner(recorded: Bus, cfg: Config) -> ReplayReport:
     compare the fingerprint with the one the learner recorded (bit for bit: with the same
     forward pass, ``prepare_batch``'s, and as many torch threads as the learner's update
     recorded). The global outcome
-    advantages are re-derived from the log too (``gyre_async.audit.credit_log``), and the fusion
+    advantages are re-derived from the log too (``gyre_async.folds.credit_log``), and the fusion
     weights the learner recorded per segment are compared with the replayed ones.
     """
-    from gyre_async.audit.credit_log import read_credit_log, replay_outcome_book
     from gyre_async.compose import build_policy, load_weights
     from gyre_async.core.learner_batch import BatchItem, prepare_batch
+    from gyre_async.folds.credit_log import read_credit_log, replay_outcome_book
     from gyre_async.rl.fusion import OutcomeBook
     from gyre_async.storage.roots import StorageRoots
     from gyre_async.storage.segments import SegmentNotFound

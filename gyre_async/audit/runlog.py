@@ -1,87 +1,20 @@
-"""What a run's event log says: metrics, summary and the learning-curve plot.
-
-Everything here is derived from the recorded events (no side channel), so the same code
-serves a finished run, a live one and a replayed Kafka archive. The events are folded by
-:class:`~gyre_async.audit.run_fold.RunFold`, the fold the monitor, the report and the
-progress line use too; this module only reads the log into it and writes the files.
-Undecodable records are skipped and counted (``undecodable_records`` in the summary).
-"""
+"""The run's output files (``metrics.jsonl``, the learning-curve plot); the reading half of
+the run log moved to :mod:`gyre_async.folds.runlog` (its names stay here only until their
+last caller moves)."""
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
 
-from gyre_async.audit.run_fold import RunFold
-from gyre_async.bus import Bus
-from gyre_async.bus.reading import read_events
-from schemas.events import PolicyVersion
-from schemas.topics import EVAL, POLICY_VERSION, SCORED, SEGMENT_CLOSED, TELEMETRY, TRAJECTORY_STEP
-
-
-async def load_runlog(bus: Bus, *, with_steps: bool = True,
-                      run_id: str | None = None) -> RunFold:
-    """The run's events folded (skipping and counting undecodable records); with ``run_id``
-    only that run's (a cluster's topics hold every run's)."""
-    fold = RunFold(run_id)
-    topics = [POLICY_VERSION, EVAL, SEGMENT_CLOSED, SCORED, TELEMETRY]
-    if with_steps:
-        topics.append(TRAJECTORY_STEP)
-    known = {t.name for t in await bus.topics()}
-    async for record, event in read_events(bus, [t for t in topics if t in known],
-                                           on_bad="skip", counts=fold.read):
-        fold.apply(event, record.topic)
-    return fold
-
-
-async def current_policy_version(
-    bus: Bus, run_id: str, trusted: Callable[[PolicyVersion], bool] | None = None
-) -> PolicyVersion | None:
-    """The policy in force in ``run_id``: the last ``policy-version`` it published (a rollback
-    may lower it). Other runs on the same cluster share the topic, so the run id filters.
-
-    The topic is keyed by one key, so it lives on one partition and log order is
-    publication order. Actors call this on start (a rebuild): undecodable records are
-    skipped, as their live consumers dead-letter them, and so are events ``trusted`` refuses
-    (:meth:`gyre_async.storage.roots.StorageRoots.trusts`: another producer, a checkpoint
-    outside the run's roots).
-    """
-    versions = await policy_versions_in_force(bus, run_id, trusted)
-    return versions[0] if versions else None
-
-
-async def policy_versions_in_force(
-    bus: Bus, run_id: str, trusted: Callable[[PolicyVersion], bool] | None = None
-) -> list[PolicyVersion]:
-    """Every ``policy-version`` of ``run_id`` that ``trusted`` accepts, the one in force
-    first (:func:`current_policy_version`'s order), then the ones before it: a restart
-    whose newest version does not load (its checkpoint missing, corrupt or non-finite: an
-    announcement forged in the learner's name, or damage) goes on with the next."""
-    known = {t.name for t in await bus.topics()}
-    if POLICY_VERSION not in known:
-        return []
-    found = [event async for _record, event in read_events(bus, [POLICY_VERSION], on_bad="skip")
-             if isinstance(event, PolicyVersion) and event.run_id == run_id
-             and (trusted is None or trusted(event))]
-    found.reverse()  # of two equal keys, the later publication comes first (sort is stable)
-    found.sort(key=lambda e: (e.ts, e.version), reverse=True)
-    return found
-
-
-def metrics_rows(log: RunFold) -> list[dict]:
-    """One JSON row per policy version and per evaluation (namespaced metric names)."""
-    rows = []
-    for v in log.versions:
-        rows.append({"kind": "policy-version", "version": v.version, "ts": v.ts,
-                     "charts/env_steps_trained": v.env_steps, "reason": v.reason,
-                     **{k: val for k, val in v.metrics.items() if k != "final"}})
-    for e in log.evals:
-        rows.append({"kind": "eval", "version": e.policy_version, "ts": e.ts,
-                     "eval/success_rate": e.success_rate, "eval/mean_score": e.mean_score,
-                     "eval/mean_length": e.mean_length, "eval/episodes": e.episodes})
-    rows.sort(key=lambda r: r["ts"])
-    return rows
+from gyre_async.folds.run_fold import RunFold
+from gyre_async.folds.runlog import (  # noqa: F401
+    current_policy_version,
+    load_runlog,
+    metrics_rows,
+    policy_versions_in_force,
+    summarize,
+)
 
 
 def write_metrics(log: RunFold, path: str) -> None:
@@ -124,36 +57,3 @@ def plot_learning_curve(log: RunFold, path: str, title: str = "Gyre learning cur
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=100)
     plt.close(fig)
-
-
-def summarize(log: RunFold, wall_seconds: float) -> dict:
-    first = log.evals[0] if log.evals else None
-    last = log.evals[-1] if log.evals else None
-    span = max(log.step_last_ts - log.step_first_ts, 1e-9)
-    return {
-        "initial_success": first.success_rate if first else None,
-        "final_success": last.success_rate if last else None,
-        "initial_score": first.mean_score if first else None,
-        "final_score": last.mean_score if last else None,
-        "final_eval_version": last.policy_version if last else None,
-        "wall_seconds": round(wall_seconds, 2),
-        "env_steps": log.steps,
-        "env_steps_per_s": round(log.steps / span, 2),
-        "policy_versions": max((v.version for v in log.versions), default=-1) + 1,
-        "episodes": log.counts.episodes,
-        "train_success_rate": (log.counts.successes / log.counts.episodes
-                               if log.counts.episodes else None),
-        # ended by an environment failure (error, timeout, abandonment): out of group
-        # baselines, their last segment bootstrapped (learner.mask_failed)
-        "failed_episodes": log.counts.failed_episodes,
-        "failed_by_kind": dict(sorted(log.failure_kinds.items())),
-        "segments": log.counts.segments,
-        "dropped_stale_segments": log.counts.dropped,
-        # why (``budget-spent``: in flight when the run ended, refused instead of trained)
-        "dropped_by_reason": dict(sorted(log.dropped_reasons.items())),
-        "max_staleness_trained": log.max_staleness_seen,
-        "evals": [{"version": e.policy_version, "success": e.success_rate,
-                   "score": e.mean_score} for e in log.evals],
-        "undecodable_records": log.read.skipped,
-        "max_unconsumed": {name: seen.max_unconsumed for name, seen in sorted(log.actors.items())},
-    }

@@ -34,11 +34,17 @@ from typing import Literal
 import numpy as np
 import torch
 
-from gyre_async.core.learner_batch import BatchItem, PreparedBatch, prepare_batch
+from gyre_async.core.learner_batch import (
+    BatchItem,
+    PreparedBatch,
+    evaluate_steps,
+    prepare_batch,
+)
 from gyre_async.core.learner_dp import AveragedSteps, DataParallel
 from gyre_async.core.learner_ppo import PpoEpochs
 from gyre_async.errors import is_retriable
 from gyre_async.experience.elite import ElitePool, offer_trained, sample_for
+from gyre_async.policy.base import EvalOutput
 from gyre_async.rl.critic import CriticGuard, Divergence, complete_returns
 from gyre_async.rl.finite import NonFiniteBatch, check_batch_finite
 from gyre_async.rl.fusion import OutcomeBook
@@ -154,7 +160,7 @@ class LearnerCore:
         self.dropped = 0  # stale segments since start
         self.dropped_steps = 0  # steps of every dropped segment: consumed, never trained
         self.done_trajectories: set[str] = set()  # ended since the last update (sync mode)
-        self.trained_before: set[str] = set()  # see gyre_async.audit.redelivery
+        self.trained_before: set[str] = set()  # see gyre_async.folds.redelivery
         self.rollbacks_applied = 0  # keeper orders followed (carried in every version)
         self.rollback_floor = 0  # segments sampled before this version are dropped
         self.last_metrics: dict[str, float] = {}
@@ -403,10 +409,14 @@ class LearnerCore:
             return 0.0
         optimizer = (self.optimizer if self.dp is None else  # every rank refits on all rows
                      AveragedSteps(self.optimizer, self.dp, list(self.policy.parameters())))
+        def evaluate(rows: list[int]) -> EvalOutput:  # one-sequence segments: one pass
+            return evaluate_steps(self.policy, prep.contexts, prep.actions,
+                                  [keep[i] for i in rows], prep.sequences, prep.sequence_of)
+
         return self.critic.refit(self.policy, optimizer, [prep.contexts[i] for i in keep],
                                  [prep.actions[i] for i in keep],
                                  torch.tensor([flat[i] for i in keep]),
-                                 self.cfg.learner.max_grad_norm)
+                                 self.cfg.learner.max_grad_norm, evaluate)
 
     def take_critic_resets(self) -> list[Divergence]:
         """Critic resets since the last call, to announce once each (readings made finite:

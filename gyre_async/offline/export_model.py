@@ -23,11 +23,11 @@ from typing import Any
 
 import msgspec
 
-from gyre_async.audit.runlog import current_policy_version
 from gyre_async.bus import open_bus
 from gyre_async.bus.reading import read_events
 from gyre_async.config import bus_url, load_config
 from gyre_async.errors import ConfigError
+from gyre_async.folds.runlog import current_policy_version
 from gyre_async.storage.atomic import atomic_write_text
 from gyre_async.storage.errors import UntrustedAddress
 from gyre_async.storage.roots import StorageRoots

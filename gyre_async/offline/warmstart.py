@@ -129,8 +129,8 @@ def warm_policy(cfg: Config, demos: list[Demonstration] | None = None
 async def publish_warmstart(cfg: Config, policy: Policy, stats: dict[str, float],
                             bus_override: str | None = None) -> PolicyVersion:
     """Save ``policy`` as version 0 of the run and publish it (reason ``warmstart``)."""
-    from gyre_async.audit.runlog import current_policy_version
     from gyre_async.bus.base import Bus  # noqa: F401 - type context only
+    from gyre_async.folds.runlog import current_policy_version
     from gyre_async.runtime.process import open_run_bus
     from gyre_async.storage.checkpoints import CheckpointStore
     from gyre_async.storage.roots import StorageRoots

@@ -2,7 +2,7 @@
 
 RL users open TensorBoard first, so a run directory is also a TensorBoard log directory:
 ``tensorboard --logdir runs`` lists each run by its directory name. The scalars are exactly
-the numeric fields of ``metrics.jsonl`` (``gyre_async.audit.runlog.metrics_rows``), under the
+the numeric fields of ``metrics.jsonl`` (``gyre_async.folds.runlog.metrics_rows``), under the
 same namespaced names (``charts/…``, ``losses/…``, ``eval/…``), so the two never disagree.
 
 Choices and why:

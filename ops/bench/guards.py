@@ -24,9 +24,9 @@ import sys
 
 from _common import QUICKSTART, make_config, print_result, run_summary, scratch_dir
 
-from gyre_async.audit.runlog import load_runlog
 from gyre_async.bus import open_bus
 from gyre_async.config import bus_url, load_config
+from gyre_async.folds.runlog import load_runlog
 from schemas.config import RuleSpec
 
 MATERIALS = {"wood", "stone", "ore", "ingot"}

@@ -34,11 +34,17 @@ from typing import Literal
 import numpy as np
 import torch
 
-from gyre_async.core.learner_batch import BatchItem, PreparedBatch, prepare_batch
+from gyre_async.core.learner_batch import (
+    BatchItem,
+    PreparedBatch,
+    evaluate_steps,
+    prepare_batch,
+)
 from gyre_async.core.learner_dp import AveragedSteps, DataParallel
 from gyre_async.core.learner_ppo import PpoEpochs
 from gyre_async.errors import is_retriable
 from gyre_async.experience.elite import ElitePool, offer_trained, sample_for
+from gyre_async.policy.base import EvalOutput
 from gyre_async.rl.critic import CriticGuard, Divergence, complete_returns
 from gyre_async.rl.finite import NonFiniteBatch, check_batch_finite
 from gyre_async.rl.fusion import OutcomeBook
@@ -403,10 +409,14 @@ class LearnerCore:
             return 0.0
         optimizer = (self.optimizer if self.dp is None else  # every rank refits on all rows
                      AveragedSteps(self.optimizer, self.dp, list(self.policy.parameters())))
+        def evaluate(rows: list[int]) -> EvalOutput:  # one-sequence segments: one pass
+            return evaluate_steps(self.policy, prep.contexts, prep.actions,
+                                  [keep[i] for i in rows], prep.sequences, prep.sequence_of)
+
         return self.critic.refit(self.policy, optimizer, [prep.contexts[i] for i in keep],
                                  [prep.actions[i] for i in keep],
                                  torch.tensor([flat[i] for i in keep]),
-                                 self.cfg.learner.max_grad_norm)
+                                 self.cfg.learner.max_grad_norm, evaluate)
 
     def take_critic_resets(self) -> list[Divergence]:
         """Critic resets since the last call, to announce once each (readings made finite:

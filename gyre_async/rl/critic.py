@@ -20,9 +20,9 @@ bootstrap), so a wrong critic corrupts credit everywhere at once. Four defences:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -199,8 +199,14 @@ class CriticGuard:
         return bool(every) and self.updates % every == 0
 
     def refit(self, policy, optimizer, contexts: list[list[int]], actions: list[list[int]],
-              targets: torch.Tensor, max_grad_norm: float) -> float:
-        """Value-only passes on (context, complete return) pairs; returns the last loss."""
+              targets: torch.Tensor, max_grad_norm: float,
+              evaluate: Callable[[list[int]], Any] | None = None) -> float:
+        """Value-only passes on (context, complete return) pairs; returns the last loss.
+        ``evaluate(rows)``: how the pairs ``rows`` are evaluated (default: each context
+        apart, ``policy.evaluate``; the learner reads one-sequence segments in one pass)."""
+        if evaluate is None:
+            def evaluate(rows: list[int]) -> Any:
+                return policy.evaluate([contexts[i] for i in rows], [actions[i] for i in rows])
         n = len(contexts)
         loss_value = 0.0
         gen = torch.Generator().manual_seed(self.seed + self.updates)
@@ -208,7 +214,7 @@ class CriticGuard:
             perm = torch.randperm(n, generator=gen).tolist()
             for start in range(0, n, self.s.minibatch_steps):
                 mb = perm[start:start + self.s.minibatch_steps]
-                out = policy.evaluate([contexts[i] for i in mb], [actions[i] for i in mb])
+                out = evaluate(mb)
                 loss = 0.5 * ((out.values.float() - targets[mb]) ** 2).mean()
                 optimizer.zero_grad()
                 loss.backward()

@@ -29,7 +29,7 @@ def finished_run(tmp_path_factory):
     tiny = TinyConfig(tmp_path_factory.mktemp("finished"))
     cfg = tiny.config()
     run_dir = Path(cfg.run.run_dir)
-    asyncio.run(run_loop(cfg, progress=False))
+    asyncio.run(run_loop(cfg))
     return run_dir, tiny.write(run_dir / "run.toml")
 
 

@@ -115,7 +115,7 @@ def test_a_client_outside_gyre_reads_a_live_runs_scored_events(tiny, tmp_path, n
     cfg = tiny.config(run={"run_id": run_id}, evaluator={"episodes": 1},
                       learner={"max_versions": 1, "batch_steps": 64, "minibatch_steps": 64})
     url = f"kafka://{noida}"
-    asyncio.run(run_loop(cfg, bus_override=url, progress=False))
+    asyncio.run(run_loop(cfg, bus_override=url))
     printed = subprocess.run([sys.executable, "-m", "gyre_async.cli", "schema", SCORED],
                              capture_output=True, check=True, timeout=120)
     validator = jsonschema.Draft202012Validator(json.loads(printed.stdout))

@@ -8,10 +8,11 @@ import json
 import pytest
 from test_role_cores import step
 
-from gyre_async.audit.final_lag import final_lag, within_bound
 from gyre_async.bus import open_bus
+from gyre_async.folds.final_lag import final_lag, within_bound
 from gyre_async.runtime.actor import Actor, ActorRunner
 from gyre_async.runtime.loop import run_loop
+from gyre_async.ui.run_outputs import write_run_outputs
 from schemas import encode
 from schemas.topics import POLICY_VERSION, TRAJECTORY_STEP
 
@@ -38,7 +39,7 @@ def test_tiny_run_ends_with_every_group_within_one_learner_batch(tiny, stop):
     # stopped by the learner's last version, or mid-training by the wall clock
     cfg = tiny.config() if stop == "final-version" else \
         tiny.config(loop={"max_wall_s": 25.0}, learner={"max_versions": 0})
-    summary = asyncio.run(run_loop(cfg, progress=False))
+    summary = write_run_outputs(cfg, asyncio.run(run_loop(cfg)))
     on_disk = json.loads((tiny.tmp_path / "run" / "summary.json").read_text())
     assert on_disk["final_lag"] == summary["final_lag"]
     lags = summary["final_lag"]

@@ -23,6 +23,7 @@ from conftest import TinyConfig
 from gyre_async.config import load_config
 from gyre_async.errors import ConfigError
 from gyre_async.runtime.loop import run_loop
+from gyre_async.ui.run_outputs import write_run_outputs
 from gyre_async.ui.tensorboard import write_tensorboard
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,7 +35,7 @@ def readme_run(tmp_path_factory):
     home = tmp_path_factory.mktemp("home")
     run_dir = home / "runs" / "q"
     cfg = TinyConfig(home).config(run={"run_dir": str(run_dir)}, learner={"max_versions": 2})
-    asyncio.run(run_loop(cfg, progress=False))
+    write_run_outputs(cfg, asyncio.run(run_loop(cfg)))
     return home, run_dir, cfg
 
 

@@ -22,6 +22,7 @@ from gyre_async.core.keeper_best import (
 from gyre_async.runtime.loop import run_loop
 from gyre_async.storage.checkpoints import CheckpointStore
 from gyre_async.storage.urls import normalize_store_url
+from gyre_async.ui.run_outputs import write_run_outputs
 from schemas import event_id
 from schemas.events import EvalResult, PolicyVersion
 
@@ -110,7 +111,7 @@ def test_a_real_tiny_run_hands_over_its_best_validated_version(tiny):
     cfg = tiny.config(task={"env_config": {"n_orders": 1, "max_steps": 80}},
                       learner={"fault_lr_spike_version": 4, "fault_lr_spike_factor": 1000.0},
                       evaluator={"every_versions": 1, "episodes": 8, "greedy": False})
-    summary = asyncio.run(run_loop(cfg, progress=False))
+    summary = write_run_outputs(cfg, asyncio.run(run_loop(cfg)))
     run_dir = tiny.tmp_path / "run"
     on_disk = json.loads((run_dir / "summary.json").read_text())
     pointer = read_best(str(run_dir), cfg.run.run_id)

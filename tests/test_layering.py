@@ -36,14 +36,7 @@ FORBIDDEN = {("policy", "envs")} | {(unit, "actors") for unit in RANK}
 
 # Known arrows against the layering, each with why it still stands. Remove an entry when its
 # arrow goes; the test fails on any arrow not listed here.
-KNOWN: dict[tuple[str, str], str] = {
-    # run_loop still writes the run's output files (metrics, TensorBoard, the plot) and draws
-    # the progress line, through audit/runlog.py's writers and the folds' old audit/ names;
-    # issue 25 item 3 moves the outputs to ui/ and has cli/ compose them, then these go (with
-    # the audit/ names that only re-export folds/).
-    ("runtime", "ui"): "run_loop draws and writes the run's outputs until `gyre run` composes them",
-    ("runtime", "audit"): "run_loop's imports of the folds' old audit/ names and writers",
-}
+KNOWN: dict[tuple[str, str], str] = {}
 
 
 def _unit(module: str) -> str | None:

@@ -108,7 +108,7 @@ def test_replay_rebuilds_the_elite_segments_an_update_mixed_in(tiny):
     from schemas.topics import POLICY_VERSION
 
     cfg = tiny.config(elite={"capacity": 32, "mix_share": 0.5, "jump_threshold": 1e-4})
-    asyncio.run(run_loop(cfg, progress=False))
+    asyncio.run(run_loop(cfg))
     url = f"sqlite:///{cfg.run.run_dir}/events.db"
 
     async def audit():

@@ -196,4 +196,4 @@ def test_gyre_run_refuses_a_data_parallel_learner_with_the_fix(tiny):
 
     cfg = tiny.config(learner={"world_size": 2})
     with pytest.raises(ConfigError, match="--replicas learner=N"):
-        asyncio.run(run_loop(cfg, progress=False))
+        asyncio.run(run_loop(cfg))

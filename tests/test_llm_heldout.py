@@ -89,7 +89,7 @@ def test_dev_figures_equal_the_runs_own_evaluator(heldout, tmp_path, monkeypatch
             learner=s(cfg.learner, max_versions=3, batch_steps=64, minibatch_steps=32),
             evaluator=s(cfg.evaluator, every_versions=100, seeds=list(range(8))),
             loop=s(cfg.loop, max_wall_s=120))
-    asyncio.run(run_loop(cfg, progress=False))
+    asyncio.run(run_loop(cfg))
     published: dict[int, EvalResult] = {}
 
     async def evals():

@@ -12,6 +12,7 @@ from gyre_async.bus import open_bus
 from gyre_async.bus.reading import read_topics
 from gyre_async.config import load_config
 from gyre_async.runtime.loop import run_loop
+from gyre_async.ui.run_outputs import write_run_outputs
 from schemas import decode
 from schemas.topics import POLICY_VERSION
 
@@ -44,7 +45,7 @@ def run_invariants(url: str, run_dir: Path, max_staleness: int, run_id: str = "t
 
 def test_gyre_run_small_config_invariants(tmp_path):
     cfg = tiny_config(tmp_path / "run")
-    summary = asyncio.run(run_loop(cfg, progress=False))
+    summary = write_run_outputs(cfg, asyncio.run(run_loop(cfg)))
     run_dir = tmp_path / "run"
     for name in ("summary.json", "metrics.jsonl", "learning_curve.png", "events.db"):
         assert (run_dir / name).exists(), name
@@ -64,7 +65,7 @@ def test_sync_mode_trains_on_current_version_only(tmp_path):
     cfg = tiny_config(tmp_path / "run", mode="sync")
     cfg = msgspec.structs.replace(cfg, learner=msgspec.structs.replace(cfg.learner,
                                                                        max_versions=3))
-    asyncio.run(run_loop(cfg, progress=False))
+    write_run_outputs(cfg, asyncio.run(run_loop(cfg)))
     run_invariants(f"sqlite:///{tmp_path}/run/events.db", tmp_path / "run", max_staleness=0)
 
     async def read():

@@ -109,7 +109,7 @@ def test_run_with_macros_elite_and_retention(tmp_path, tiny):
     cfg = tiny.config(run={"run_dir": str(tmp_path)}, macros={"builtin": "workshop"},
                       elite={"capacity": 8, "mix_share": 0.25, "jump_threshold": 1e-3},
                       segmenter={"retain_bytes": bound}, learner={"max_versions": 5})
-    summary = asyncio.run(run_loop(cfg, progress=False))
+    summary = asyncio.run(run_loop(cfg)).summary
 
     async def read():
         async with open_bus(f"sqlite:///{tmp_path}/events.db") as bus:

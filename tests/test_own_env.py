@@ -21,6 +21,7 @@ from gyre_async.bus.reading import read_events
 from gyre_async.config import bus_url, load_config
 from gyre_async.envs import env_vocabulary, make_env
 from gyre_async.runtime.loop import run_loop
+from gyre_async.ui.run_outputs import write_run_outputs
 from schemas.events import TrajectoryStep
 from schemas.topics import TRAJECTORY_STEP
 
@@ -143,7 +144,7 @@ def test_own_gym_env_configured_in_toml_learns(tmp_path):
     path = tmp_path / "own.toml"
     path.write_text(CONFIG.replace("{run_dir}", str(tmp_path / "run")))
     cfg = load_config(path)
-    summary = asyncio.run(run_loop(cfg, progress=False))
+    summary = write_run_outputs(cfg, asyncio.run(run_loop(cfg)))
     evals = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     seeds = list(range(cfg.task.eval_seed_start, cfg.task.eval_seed_start + cfg.evaluator.episodes))
     baseline = random_baseline(seeds)

@@ -3,7 +3,7 @@ which the line must show (it read "0 steps/s")."""
 
 from __future__ import annotations
 
-from gyre_async.runtime.loop import steps_per_s
+from gyre_async.ui.progress import steps_per_s
 
 
 def test_the_progress_line_shows_slow_rates_with_decimals():

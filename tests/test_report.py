@@ -29,6 +29,7 @@ from gyre_async.bus import open_bus
 from gyre_async.cli.report import add_parser, run
 from gyre_async.runtime.loop import run_loop
 from gyre_async.ui.report import build_report
+from gyre_async.ui.run_outputs import write_run_outputs
 from schemas import encode
 from schemas.events import (
     DeadLetter,
@@ -187,7 +188,7 @@ class Chromium:
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory) -> Path:
     cfg = TinyConfig(tmp_path_factory.mktemp("report")).config()
-    asyncio.run(run_loop(cfg, progress=False))
+    write_run_outputs(cfg, asyncio.run(run_loop(cfg)))
     return Path(cfg.run.run_dir)
 
 

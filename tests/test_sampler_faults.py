@@ -50,7 +50,7 @@ def test_hung_and_crashing_envs_end_only_their_trajectory(tmp_path, tiny):
                       sampler={"step_timeout_s": 0.3},
                       loop={"max_env_steps": 640, "max_wall_s": 90},  # steps, not seconds: load-proof
                       learner={"max_versions": 0})
-    asyncio.run(run_loop(cfg, progress=False,
+    asyncio.run(run_loop(cfg,
                          roles=("sampler", "segmenter", "arbiter", "learner")))
 
     async def read():

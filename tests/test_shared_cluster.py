@@ -21,8 +21,8 @@ def _second_run_on_a_used_bus(url: str, tiny, tmp_path) -> None:
                              "run_dir": str(tmp_path / "first")}, learner={"max_versions": 3})
     second = tiny.config(run={"run_id": f"second-{tmp_path.name[-8:]}",
                               "run_dir": str(tmp_path / "second")}, learner={"max_versions": 3})
-    asyncio.run(run_loop(first, bus_override=url, progress=False))
-    summary = asyncio.run(run_loop(second, bus_override=url, progress=False))
+    asyncio.run(run_loop(first, bus_override=url))
+    summary = asyncio.run(run_loop(second, bus_override=url)).summary
 
     async def read(run_id):
         async with open_bus(url) as bus:

@@ -59,7 +59,7 @@ async def _events(url: str):
 def test_smollm2_policy_runs_the_loop(tmp_path):
     torch.set_num_threads(min(2, torch.get_num_threads()))
     cfg = smollm2_config(tmp_path / "run")
-    asyncio.run(run_loop(cfg, progress=False))
+    asyncio.run(run_loop(cfg))
     events = asyncio.run(_events(f"sqlite:///{tmp_path}/run/events.db"))
     versions = sorted((e for t, e in events if isinstance(e, PolicyVersion)),
                       key=lambda v: v.version)

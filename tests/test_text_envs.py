@@ -206,7 +206,7 @@ async def test_gyre_run_starts_from_the_warm_start_then_exports_and_evaluates_on
     again = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert again.returncode == 2 and "already has policy version 0" in again.stderr
 
-    await run_loop(cfg, progress=False)
+    await run_loop(cfg)
     url = bus_url(cfg)
     versions = [v for v in await _events(url, POLICY_VERSION) if isinstance(v, PolicyVersion)]
     assert [(v.version, v.reason) for v in versions][:2] == [(0, "warmstart"), (1, "update")]

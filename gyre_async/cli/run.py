@@ -1,4 +1,10 @@
-"""``gyre run CONFIG``: the whole loop in one process on the embedded bus."""
+"""``gyre run CONFIG``: the whole loop in one process on the embedded bus.
+
+The command composes the three parts: the runtime runs the loop and returns the run folded
+(:func:`~gyre_async.runtime.loop.run_loop`), the progress display draws the fold as it grows
+(:class:`~gyre_async.ui.progress.Progress`), and the run's files are written from the result
+(:func:`~gyre_async.ui.run_outputs.write_run_outputs`).
+"""
 
 from __future__ import annotations
 
@@ -24,9 +30,19 @@ def run(args: argparse.Namespace) -> int:
     from gyre_async.cli.common import config_of
     from gyre_async.runtime.loop import run_loop
     from gyre_async.runtime.process import run_main
+    from gyre_async.ui.progress import Progress
+    from gyre_async.ui.run_outputs import write_run_outputs
 
     cfg = config_of(args)
-    summary = run_main(lambda: run_loop(cfg, bus_override=args.bus,
-                                        progress=not args.no_progress))
+    progress = None if args.no_progress else Progress(cfg.run.run_id)
+    if progress is not None:
+        progress.start()
+    try:
+        result = run_main(lambda: run_loop(cfg, bus_override=args.bus,
+                                           watch=progress.show if progress else None))
+    finally:
+        if progress is not None:
+            progress.stop()
+    summary = write_run_outputs(cfg, result)
     print(json.dumps(summary, indent=2))
     return 0

@@ -1,59 +1,51 @@
 """``gyre run``: the whole gyre in one process — sample -> score -> update -> sample again.
 
 All roles run as actors on one event loop, over the embedded bus in the run directory,
-exactly as they would run one process per role (``gyre actor ROLE``). The progress display
-is a subscriber like any monitor: it reads the bus, nothing else. The run ends when the
+exactly as they would run one process per role (``gyre actor ROLE``). The loop folds the
+bus as it goes (a :class:`RunFold`, like any monitor) and shows the fold to a ``watch``
+callback: ``gyre run``'s progress display, which lives in ``ui/``. The run ends when the
 learner's final version has been evaluated (``learner.max_versions``), when validation
 reaches ``loop.target_success``, or at ``loop.max_wall_s`` / ``loop.max_env_steps``.
 It ends by draining: the sampler stops first, then each downstream role handles what is
 already on the bus, so nothing is left in flight; ``summary.json`` records how far behind
 each consumer group still is (``final_lag``: state held on purpose, such as open segments).
-At the end the run directory holds the event log, segment store, checkpoints,
-``metrics.jsonl``, ``learning_curve.png``, ``summary.json`` (with the ``final`` and the
-``best`` validated version) and ``best.json`` (which weights to hand over:
-:mod:`gyre_async.core.keeper_best`).
+At the end the run directory holds the event log, segment store, checkpoints and
+``best.json`` (which weights to hand over: :mod:`gyre_async.core.keeper_best`);
+:func:`run_loop` returns the run folded with its summary (the ``final`` and the ``best``
+validated version among it), and ``gyre run`` writes ``metrics.jsonl``, the TensorBoard
+scalars, ``learning_curve.png`` and ``summary.json`` from it
+(:mod:`gyre_async.ui.run_outputs`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import msgspec
 import structlog
 
-from gyre_async.audit.final_lag import final_lag, within_bound
-from gyre_async.audit.pacing import stale_dropped_fraction
-from gyre_async.audit.run_fold import RunFold
-from gyre_async.audit.runlog import (
-    current_policy_version,
-    load_runlog,
-    metrics_rows,
-    plot_learning_curve,
-    summarize,
-    write_metrics,
-)
 from gyre_async.bus.reading import read_events
 from gyre_async.config import recorded_config
 from gyre_async.core.evaluation import Evaluation, eval_trigger
 from gyre_async.core.keeper_best import final_and_best, settle_best
 from gyre_async.errors import ConfigError
+from gyre_async.folds.final_lag import final_lag, within_bound
+from gyre_async.folds.pacing import stale_dropped_fraction
+from gyre_async.folds.run_fold import RunFold
+from gyre_async.folds.runlog import current_policy_version, load_runlog, summarize
 from gyre_async.runtime.actor import ActorRunner
 from gyre_async.runtime.process import install_stop_signals, open_run_bus
 from gyre_async.runtime.topology import RUN_ROLES, build_actor
 from gyre_async.storage.atomic import atomic_write_bytes
 from gyre_async.storage.roots import StorageRoots
-from gyre_async.ui.tensorboard import write_tensorboard
 from schemas import encode
 from schemas.config import Config
 from schemas.events import EvalResult
 from schemas.topics import ALL_TOPICS, EVAL, POLICY_VERSION, SEGMENT_CLOSED, TELEMETRY
-
-if TYPE_CHECKING:
-    from rich.live import Live
 
 log = structlog.get_logger(__name__)
 
@@ -61,101 +53,68 @@ log = structlog.get_logger(__name__)
 #: more: the stop condition, not the drain, decides the final policy), handle what is
 #: already on the bus, in data-flow order, then let go of what waits for input that will
 #: not come (the segmenter cuts its open segments, the learner refuses its partial batch
-def steps_per_s(rate: float) -> str:
-    """A rate as the progress line shows it: whole steps from 10/s up, else two decimals (a
-    language model's run makes less than one step per second, which read "0" before)."""
-    return f"{rate:6.0f}" if rate >= 10 else f"{rate:6.2f}"
-
-
 #: as ``budget-spent``), so the run ends with nothing in flight and nothing held. The
 #: evaluator and keeper are not waited for: the final evaluation covers the latest version.
 DRAINED_ROLES = ("segmenter", "arbiter", "learner")
 DRAIN_TIMEOUT_S = 60.0
 
 
-class Progress:
-    """Live numbers from the bus (the run's :class:`RunFold`, kept bounded): episodes,
-    success, staleness, steps/s, the latest evaluation."""
+@dataclass(frozen=True)
+class RunResult:
+    """What a run leaves: its whole log folded (:func:`load_runlog`) and the figures of its
+    end (``summary.json``'s content). Writing them is the caller's:
+    :func:`gyre_async.ui.run_outputs.write_run_outputs` for ``gyre run``."""
 
-    def __init__(self, enabled: bool, run_id: str | None = None):
-        self.enabled = enabled
-        self.started = time.monotonic()
-        self.run = RunFold(run_id, keep_records=False)
-        self._live: Live | None = None
-
-    @property
-    def final_eval_seen(self) -> bool:
-        final = self.run.final_version
-        return final >= 0 and final in self.run.evaluated
-
-    def line(self) -> str:
-        elapsed = time.monotonic() - self.started
-        run = self.run
-        ev = run.newest_eval
-        recent = run.train_success or 0.0
-        steps = run.segment_env_steps
-        return (f"[{elapsed:6.0f}s] v{run.max_version:<3d} episodes {run.counts.episodes:<5d} "
-                f"train success(100) {recent:5.1%}  steps {steps:<7d} "
-                f"{steps_per_s(steps / max(elapsed, 1e-9))} steps/s  staleness "
-                f"{run.learner_staleness:.0f}  "
-                + (f"val success {ev.success_rate:5.1%} (v{ev.policy_version})" if ev else ""))
-
-    def start(self) -> None:
-        if self.enabled:
-            from rich.console import Console
-            from rich.live import Live
-
-            self._live = Live(self.line(), console=Console(stderr=True), refresh_per_second=2)
-            self._live.start()
-
-    def refresh(self) -> None:
-        if self._live is not None:
-            self._live.update(self.line())
-
-    def stop(self) -> None:
-        if self._live is not None:
-            self._live.update(self.line())
-            self._live.stop()
-            if not self._live.console.is_terminal:
-                self._live.console.line()  # rich ends the line only on a terminal
+    runlog: RunFold
+    summary: dict
 
 
-async def _fold_into(bus, progress: Progress) -> None:
+def _final_eval_seen(run: RunFold) -> bool:
+    return run.final_version >= 0 and run.final_version in run.evaluated
+
+
+async def _fold_into(bus, run: RunFold) -> None:
     async for record, event in read_events(bus, [SEGMENT_CLOSED, POLICY_VERSION, EVAL, TELEMETRY],
-                                           on_bad="skip", follow=True, counts=progress.run.read):
-        progress.run.apply(event, record.topic)
+                                           on_bad="skip", follow=True, counts=run.read):
+        run.apply(event, record.topic)
 
 
-async def _watch(bus, progress: Progress, stop: asyncio.Event, cfg: Config) -> None:
-    folding = asyncio.create_task(_fold_into(bus, progress))
-    last_print = 0.0
+async def _watch(bus, run: RunFold, stop: asyncio.Event, cfg: Config,
+                 watch: Callable[[RunFold], None] | None) -> None:
+    """Fold the run as it goes, show it to ``watch``, and set ``stop`` when a stop
+    condition of ``[loop]`` holds."""
+    started = time.monotonic()
+    folding = asyncio.create_task(_fold_into(bus, run))
+    last_log = 0.0
     try:
         while not stop.is_set():
             await asyncio.wait([folding], timeout=0.25)
             if folding.done():
                 folding.result()  # the reader failed: surface it
-            progress.refresh()
+            if watch is not None:
+                watch(run)
             now = time.monotonic()
-            if not progress.enabled and now - last_print > 10:
-                last_print = now
-                log.info("progress", line=progress.line())
-            L = cfg.loop
-            newest_eval = progress.run.newest_eval
-            if progress.final_eval_seen:
+            if now - last_log > 10:
+                last_log = now
+                log.info("progress", version=run.max_version, episodes=run.counts.episodes,
+                         env_steps=run.segment_env_steps)
+            loop = cfg.loop
+            newest_eval = run.newest_eval
+            if _final_eval_seen(run):
                 stop.set()
-            elif L.target_success and newest_eval and \
-                    newest_eval.success_rate >= L.target_success:
+            elif loop.target_success and newest_eval and \
+                    newest_eval.success_rate >= loop.target_success:
                 stop.set()
-            elif L.max_env_steps and progress.run.segment_env_steps >= L.max_env_steps:
+            elif loop.max_env_steps and run.segment_env_steps >= loop.max_env_steps:
                 stop.set()
-            elif L.max_wall_s and now - progress.started >= L.max_wall_s:
+            elif loop.max_wall_s and now - started >= loop.max_wall_s:
                 stop.set()
     finally:
         folding.cancel()
         await asyncio.gather(folding, return_exceptions=True)
 
 
-async def _final_evaluation(cfg: Config, bus, progress: Progress) -> None:
+async def _final_evaluation(cfg: Config, bus) -> None:
     """Evaluate the latest version if the run stopped before the evaluator reached it.
 
     A run cut by ``max_wall_s`` or ``max_env_steps`` still ends with a validation figure
@@ -214,8 +173,12 @@ async def _drain(runners: list[ActorRunner], tasks: list[asyncio.Task],
             return
 
 
-async def run_loop(cfg: Config, *, bus_override: str | None = None, progress: bool = True,
-                   roles: tuple[str, ...] = RUN_ROLES) -> dict:
+async def run_loop(cfg: Config, *, bus_override: str | None = None,
+                   roles: tuple[str, ...] = RUN_ROLES,
+                   watch: Callable[[RunFold], None] | None = None) -> RunResult:
+    """Run ``roles`` on one bus until a stop condition, drain, evaluate the final version,
+    and return the run folded. ``watch`` sees the live fold a few times a second (the
+    progress display of ``gyre run``); nothing here draws or writes the run's outputs."""
     if cfg.learner.world_size > 1:
         raise ConfigError(
             f"learner.world_size = {cfg.learner.world_size}: gyre run trains with one learner "
@@ -227,7 +190,7 @@ async def run_loop(cfg: Config, *, bus_override: str | None = None, progress: bo
     atomic_write_bytes(os.path.join(run_dir, "config.json"), recorded_config(cfg),
                        permissions=0o600)
     started = time.monotonic()
-    shown = Progress(progress, cfg.run.run_id)
+    live = RunFold(cfg.run.run_id, keep_records=False)
     async with open_run_bus(cfg, bus_override) as bus:
         await bus.create_topics(ALL_TOPICS, cfg.bus.partitions)
         runners = [ActorRunner(build_actor(role, cfg), bus, run_id=cfg.run.run_id, name=role,
@@ -236,8 +199,7 @@ async def run_loop(cfg: Config, *, bus_override: str | None = None, progress: bo
         drain_s = 0.0
         install_stop_signals(stop.set)
         tasks = [asyncio.create_task(r.run(), name=r.name) for r in runners]
-        watcher = asyncio.create_task(_watch(bus, shown, stop, cfg))
-        shown.start()
+        watcher = asyncio.create_task(_watch(bus, live, stop, cfg, watch))
         try:
             stopper = asyncio.create_task(stop.wait())
             done, _ = await asyncio.wait([*tasks, stopper], return_when=asyncio.FIRST_COMPLETED)
@@ -260,16 +222,11 @@ async def run_loop(cfg: Config, *, bus_override: str | None = None, progress: bo
                 r.stop()
             await asyncio.gather(*tasks, return_exceptions=True)
             await asyncio.gather(watcher, return_exceptions=True)
-            shown.stop()
-        await _final_evaluation(cfg, bus, shown)
+        await _final_evaluation(cfg, bus)
         lags = await final_lag(bus, {r.group: r.actor.consumes for r in runners
                                      if r.actor.consumes})
         runlog = await load_runlog(bus, run_id=cfg.run.run_id)
     wall = time.monotonic() - started
-    write_metrics(runlog, os.path.join(run_dir, "metrics.jsonl"))
-    write_tensorboard(metrics_rows(runlog), run_dir)  # same scalars, for `tensorboard --logdir`
-    plot_learning_curve(runlog, os.path.join(run_dir, "learning_curve.png"),
-                        title=f"Gyre run {cfg.run.run_id} ({cfg.run.mode})")
     summary = summarize(runlog, wall)
     summary["run_dir"] = os.path.abspath(run_dir)
     summary["mode"] = cfg.run.mode
@@ -282,6 +239,4 @@ async def run_loop(cfg: Config, *, bus_override: str | None = None, progress: bo
     summary["final_lag_within_bound"] = within_bound(lags, cfg.learner.batch_steps)
     best = settle_best(run_dir, cfg.run.run_id, runlog.evals, runlog.versions)
     summary.update(final_and_best(cfg.run.run_id, runlog.evals, runlog.versions, best))
-    with open(os.path.join(run_dir, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=2)
-    return summary
+    return RunResult(runlog, summary)

@@ -128,12 +128,13 @@ def scratch_dir(prefix: str, keep: str | os.PathLike | None = None) -> Iterator[
 
 def run_summary(cfg: Config, roles: tuple[str, ...] | None = None) -> dict:
     """The whole loop in this process (``gyre run``'s, every role or ``roles``), without the
-    progress display: its summary."""
+    progress display: its summary, with the run's files written as ``gyre run`` writes them."""
     from gyre_async.runtime.loop import run_loop
+    from gyre_async.ui.run_outputs import write_run_outputs
 
     if roles is None:
-        return asyncio.run(run_loop(cfg, progress=False))
-    return asyncio.run(run_loop(cfg, progress=False, roles=roles))
+        return write_run_outputs(cfg, asyncio.run(run_loop(cfg)))
+    return write_run_outputs(cfg, asyncio.run(run_loop(cfg, roles=roles)))
 
 
 def finished_summary(run_dir: str | os.PathLike) -> dict | None:

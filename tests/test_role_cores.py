@@ -104,9 +104,9 @@ def test_sampled_validation_uses_the_evaluators_temperature(tiny):
     seen: list[tuple[float, bool]] = []
     act_batch = policy.act_batch
 
-    def recording(contexts, params, seed=None):
+    def recording(contexts, params, seed=None, **sessions):
         seen.append((params.temperature, params.greedy))
-        return act_batch(contexts, params, seed)
+        return act_batch(contexts, params, seed, **sessions)
 
     policy.act_batch = recording  # the real policy acts; the wrapper only records
     builder = ContextBuilder(tok, cfg.policy.context_tokens, cfg.policy.history_turns)

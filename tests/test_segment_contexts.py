@@ -183,6 +183,22 @@ def test_acting_reuses_each_episodes_prefix_and_acts_as_without_it():
     assert not cached._sessions  # ... and dropped with every new version
 
 
+def test_a_new_episode_starts_from_the_prompt_another_episode_cached():
+    policy, fresh = tiny_policy(), tiny_policy()
+    builder = ContextBuilder(TOK, BUDGET, 0, mode="segment")
+    first = builder.opening("order 1 of 3 : axe x 1 . need wood 1 . ready no .", "done none")
+    second = builder.opening("order 1 of 3 : saw x 2 . need ore 2 . ready no .", "done none")
+    params = SamplingParams(greedy=True, max_action_tokens=4)
+    policy.act_batch([first], params, sessions=["a"])
+    before = policy.prefill_reused
+    [act] = policy.act_batch([second], params, sessions=["b"])  # b has no cache of its own
+    shared = next(i for i, (x, y) in enumerate(zip(first, second)) if x != y)
+    assert shared > 5 and policy.prefill_reused - before == shared
+    [plain] = fresh.act_batch([second], params)
+    assert act.tokens == plain.tokens
+    assert act.policy_logprobs == pytest.approx(plain.policy_logprobs, abs=1e-5)
+
+
 def test_one_pass_over_a_segment_equals_evaluating_each_step_apart():
     policy = tiny_policy(seed=2)
     segmenter = SegmenterCore(SEGMENTS)

@@ -18,9 +18,11 @@ of the next one's. Two things follow:
   the next call computes only the tokens past the longest prefix they share. The cached
   columns of a batch are laid out before the new ones (``[pad | cached][pad | new]``, the
   mask marking real tokens), so positions and visibility are those of the whole context.
-  A new policy version (any ``load_state_dict``) drops every cached session; so does the
-  end of an episode (:meth:`forget_session`). ``prefill_computed`` / ``prefill_reused``
-  count context tokens computed and taken from the cache.
+  A context that shares more with another session's cache than with its own (a new
+  episode or segment: the same prompt) starts from that one, as vLLM's prefix cache finds
+  blocks by content. A new policy version (any ``load_state_dict``) drops every cached
+  session; so does the end of an episode (:meth:`forget_session`). ``prefill_computed`` /
+  ``prefill_reused`` count context tokens computed and taken from the cache.
 - **The learner reads a segment once.** :meth:`CausalLMPolicy.evaluate_sequences` runs one
   forward pass over a segment's whole sequence and reads every step's value (at its last
   context token) and its action's log-probs (at the positions that predict them) off it;
@@ -279,15 +281,15 @@ class CausalLMPolicy(Policy):
         self._check(contexts, n_new)
         gen = torch.Generator().manual_seed(seed) if seed is not None else self._generator
         with self._lock, torch.inference_mode():
-            ids, mask, reused = self._prompt(contexts, sessions, n_new)
+            ids, mask, sources = self._prompt(contexts, sessions, n_new)
             width = ids.shape[1] - n_new
-            start = 0 if reused is None else reused.shape[1]  # the first column computed
+            start = max(r for _, r in sources)  # the first column computed
             tokens: list[list[int]] = [[] for _ in contexts]
             behaviour: list[list[float]] = [[] for _ in contexts]
             raw: list[list[float]] = [[] for _ in contexts]
             live = torch.ones(len(contexts), dtype=torch.bool, device=self.device)
             hidden, cache = self._forward(ids[:, start:width], mask[:, :width],
-                                          self._past_cache(reused, sessions))
+                                          self._past_cache(sources))
             for j in range(n_new):
                 if j:  # one new column, attending to the cached ones
                     hidden, cache = self._forward(ids[:, width + j - 1:width + j],
@@ -323,18 +325,16 @@ class CausalLMPolicy(Policy):
 
     # -- sessions: keys/values kept between an episode's steps ------------------------------
     def _prompt(self, contexts: list[list[int]], sessions: list[str | None] | None,
-                n_new: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                n_new: int) -> tuple[torch.Tensor, torch.Tensor, list[tuple[_Session, int]]]:
         """ids and mask [B, P + S + n_new] of a batch whose first P columns are reused from
         cached sessions (right-aligned, ``[pad | cached]``) and the next S are computed
-        (left-padded, ``[pad | new]``), and the [B, P] mask of the reused columns (None when
-        nothing is reused). The reused columns' ids are the real tokens (never fed to the
-        model: they only say what a session then holds)."""
-        reuse = [0] * len(contexts)
-        if sessions is not None:
-            for i, (context, session) in enumerate(zip(contexts, sessions)):
-                kept = self._sessions.get(session) if session is not None else None
-                if kept is not None:
-                    reuse[i] = min(_shared_prefix(kept.tokens, context), len(context) - 1)
+        (left-padded, ``[pad | new]``), and per row where its reused columns come from
+        (the cached session, how many of its first tokens; 0: none). The reused columns'
+        ids are the real tokens (never fed to the model: they only say what a session
+        then holds)."""
+        sources = [self._longest_prefix(c, s) for c, s in
+                   zip(contexts, sessions or [None] * len(contexts))]
+        reuse = [r for _, r in sources]
         self.prefill_reused += sum(reuse)
         self.prefill_computed += sum(len(c) - r for c, r in zip(contexts, reuse))
         pad = self.tokenizer.pad_id
@@ -350,24 +350,44 @@ class CausalLMPolicy(Policy):
         ids = torch.cat([old_ids, new_ids, torch.full((len(contexts), n_new), pad)], 1)
         mask = torch.cat([old_mask, new_mask,
                           torch.zeros((len(contexts), n_new), dtype=torch.bool)], 1)
-        reused = old_mask.to(self.device) if width_p else None
-        return ids.to(self.device), mask.to(self.device), reused
+        return ids.to(self.device), mask.to(self.device), sources
 
-    def _past_cache(self, reused_mask: torch.Tensor | None,
-                    sessions: list[str | None] | None) -> Any:
+    def _longest_prefix(self, context: list[int], session: str | None
+                        ) -> tuple[_Session, int]:
+        """The cached keys/values sharing the longest prefix with ``context`` (at most all
+        but its last token: its hidden state is needed): the session's own, or, when that
+        holds less (a new episode, a new segment), any session's (the fixed prompt they
+        share), as vLLM's prefix cache finds blocks by content. None for a context without
+        a session."""
+        empty = _Session([], [])
+        if session is None:
+            return empty, 0
+        limit = len(context) - 1
+        own = self._sessions.get(session)
+        best, found = empty, 0
+        if own is not None:
+            best, found = own, min(_shared_prefix(own.tokens, context), limit)
+        if own is None or found < len(own.tokens):
+            for kept in self._sessions.values():
+                if kept is not own and kept.tokens[:1] == context[:1]:
+                    shared = min(_shared_prefix(kept.tokens, context), limit)
+                    if shared > found:
+                        best, found = kept, shared
+        return best, found
+
+    def _past_cache(self, sources: list[tuple[_Session, int]]) -> Any:
         """The model cache of the reused columns (None when nothing is reused)."""
-        if reused_mask is None or sessions is None:
+        width_p = max(r for _, r in sources)
+        if not width_p:
             return None
-        reused = reused_mask.sum(1).tolist()
-        width_p = reused_mask.shape[1]
-        first = next(self._sessions[s] for s, r in zip(sessions, reused) if r and s)
+        first = next(kept for kept, r in sources if r)
         layers = []
         for layer, (k0, v0) in enumerate(first.layers):
-            keys = k0.new_zeros((len(sessions), k0.shape[0], width_p, k0.shape[2]))
-            values = v0.new_zeros((len(sessions), v0.shape[0], width_p, v0.shape[2]))
-            for i, (session, r) in enumerate(zip(sessions, reused)):
-                if r and session is not None:
-                    k, v = self._sessions[session].layers[layer]
+            keys = k0.new_zeros((len(sources), k0.shape[0], width_p, k0.shape[2]))
+            values = v0.new_zeros((len(sources), v0.shape[0], width_p, v0.shape[2]))
+            for i, (kept, r) in enumerate(sources):
+                if r:
+                    k, v = kept.layers[layer]
                     keys[i, :, width_p - r:] = k[:, :r]
                     values[i, :, width_p - r:] = v[:, :r]
             layers.append((keys, values))

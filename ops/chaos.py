@@ -26,7 +26,7 @@ leaving, so a SIGKILLed consumer would hold its group there forever.
 Last line, JSON: ``{"bench": "chaos", "kills": .., "lost": 0, "duplicated": 0, "corrupt": 0,
 "progress": .., "stale_dropped_fraction": ..}`` (progress: policy versions published after
 the last kill; stale_dropped_fraction: env steps of segments the learner dropped as too
-stale over env steps sampled, see ``gyre_async.audit.pacing``).
+stale over env steps sampled, see ``gyre_async.folds.pacing``).
 Whole checkpoint files that a killed or stopped learner saved but never announced are
 counted (``unannounced_checkpoints``), not failed: readers follow ``policy-version``
 events, and the restarted learner re-trains that version from the same inputs. Exit status 0
@@ -192,9 +192,9 @@ class Chaos:
 async def audit(url: str, run_id: str, run_dir: Path, max_staleness: int):
     """The invariants report, and the share of sampled env steps dropped as stale."""
     from gyre_async.audit.invariants import check_run, read_run
-    from gyre_async.audit.pacing import stale_dropped_fraction
     from gyre_async.bus import open_bus
     from gyre_async.envs.macros import env_steps_of
+    from gyre_async.folds.pacing import stale_dropped_fraction
     from schemas.events import SegmentClosed, SegmentDropped, TrajectoryStep
     from schemas.topics import SEGMENT_CLOSED, TELEMETRY, TRAJECTORY_STEP
 

@@ -26,9 +26,9 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from gyre_async.audit.runlog import current_policy_version, load_runlog
 from gyre_async.bus import open_bus
 from gyre_async.bus.reading import end_offsets, iter_topics
+from gyre_async.folds.runlog import current_policy_version, load_runlog
 from gyre_async.ui.monitor import MonitorState, render
 from schemas import decode
 from schemas.events import (

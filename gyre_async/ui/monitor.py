@@ -4,7 +4,7 @@ Why only a subscriber: the event log is the run's single source of truth, so a d
 that folds the same events every actor sees works unchanged for a ``gyre run`` in progress,
 one process per role (embedded or Kafka), and a finished run's log — and it can never
 disagree with ``metrics.jsonl`` / ``summary.json`` or the report: all of them fold the
-events with the same :class:`~gyre_async.audit.run_fold.RunFold`.
+events with the same :class:`~gyre_async.folds.run_fold.RunFold`.
 
 :class:`MonitorState` is that fold, bounded for a long-lived follower, plus the monitor's
 own derivations (rates, silent actors); it is pure (no I/O, no clock), which makes it
@@ -23,8 +23,8 @@ import os
 import sys
 import time
 
-from gyre_async.audit.run_fold import STEP_WINDOW_S, RunFold
 from gyre_async.bus.reading import end_offsets, read_events
+from gyre_async.folds.run_fold import STEP_WINDOW_S, RunFold
 from gyre_async.ui.monitor_view import make_console, render  # render re-exported: monitor.render
 from schemas.events import EvalResult
 from schemas.topics import ALL_TOPICS

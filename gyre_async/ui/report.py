@@ -2,7 +2,7 @@
 
 Everything comes from the recorded events (plus ``config.json`` and ``summary.json`` of the
 run directory), so a finished run, a live one and a Kafka archive (``--bus``) report alike.
-The events are folded by :class:`~gyre_async.audit.run_fold.RunFold`, as for the monitor and
+The events are folded by :class:`~gyre_async.folds.run_fold.RunFold`, as for the monitor and
 ``summary.json``, so the three agree; undecodable records are skipped and counted.
 The figures (``report_plots.py``) are PNGs embedded as base64 data URIs: the page needs no
 network and no other file. The PNGs are also written to ``<run_dir>/report/``.
@@ -20,11 +20,11 @@ from collections import Counter
 from collections.abc import Sequence
 from functools import cached_property
 
-from gyre_async.audit.run_fold import RunFold
-from gyre_async.audit.runlog import summarize
 from gyre_async.bus import open_bus
 from gyre_async.bus.reading import read_events
 from gyre_async.bus.secrets import redact
+from gyre_async.folds.run_fold import RunFold
+from gyre_async.folds.runlog import summarize
 from schemas.topics import ALL_TOPICS, DEAD_LETTER, PROBE_IN, PROBE_OUT
 
 READ_TOPICS = tuple(t for t in ALL_TOPICS if t not in (PROBE_IN, PROBE_OUT))

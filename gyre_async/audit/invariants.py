@@ -98,8 +98,7 @@ async def read_run(bus: Bus, run_id: str) -> RunEvents:
     """Every event of ``run_id`` on the loop's topics, and each role's committed offsets."""
     known = {t.name for t in await bus.topics()}
     by_topic: dict[str, list[tuple[int, int, object]]] = defaultdict(list)
-    async for record, event in read_events(bus, [t for t in TOPICS if t in known],
-                                           on_bad="raise"):
+    async for record, event in read_events(bus, TOPICS, on_bad="raise"):
         if event.run_id == run_id:
             by_topic[record.topic].append((record.partition, record.offset, event))
     committed = {role: (await bus.committed(f"{run_id}.{role}", topic) if topic in known else {})

@@ -87,6 +87,17 @@ class UndecodableRecord(Exception):
         self.reason = reason
 
 
+class UnknownTopic(LookupError):
+    """``read_events(missing="raise")`` was asked for a topic the bus does not have."""
+
+    retriable = False
+
+    def __init__(self, absent: Sequence[str], known: Sequence[str]):
+        super().__init__(f"no topic {', '.join(map(repr, absent))} on this bus (it has: "
+                         f"{', '.join(known) or 'none'}); check the bus URL and the run")
+        self.absent = list(absent)
+
+
 @dataclass
 class ReadCounts:
     """What a :func:`read_events` pass saw: decoded events and skipped (undecodable) records,
@@ -103,6 +114,7 @@ class ReadCounts:
 async def read_events(
     bus: Bus, topics: Sequence[str], *, on_bad: Literal["skip", "raise"] = "skip",
     follow: bool = False, counts: ReadCounts | None = None, run_id: str | None = None,
+    missing: Literal["empty", "raise"] = "empty",
 ) -> AsyncIterator[tuple[Record, Event]]:
     """Every event of ``topics`` from offset 0, decoded: the one way to read a topic back.
 
@@ -115,9 +127,21 @@ async def read_events(
     (:func:`read_back_limit`): an oversized record is a bad record like any other. With
     ``run_id``, only that run's events are yielded (topics
     are shared by every run on a cluster; the others are counted in ``counts.foreign``).
+    A topic that does not exist yet (a run that has not published there) has a declared
+    answer too, ``missing``: ``"empty"`` reads it as a topic with no events (a rebuild on a
+    fresh run), ``"raise"`` raises :class:`UnknownTopic` naming it (a tool that was given a
+    name). Without ``follow`` no topic is created by reading it.
     """
     seen = counts if counts is not None else ReadCounts()
     limit = read_back_limit(bus)
+    if not follow:
+        known = {t.name for t in await bus.topics()}
+        absent = [t for t in topics if t not in known]
+        if absent and missing == "raise":
+            raise UnknownTopic(absent, sorted(known))
+        topics = [t for t in topics if t in known]
+        if not topics:
+            return
     async for record in iter_topics(bus, topics, follow=follow):
         seen.next_offsets[(record.topic, record.partition)] = record.offset + 1
         try:

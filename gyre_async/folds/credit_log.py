@@ -12,7 +12,9 @@ from typing import Literal
 
 from gyre_async.bus import Bus
 from gyre_async.bus.reading import read_events
+from gyre_async.folds.fold import FoldBase
 from gyre_async.rl.fusion import OutcomeBook
+from schemas import Event
 from schemas.events import PolicyVersion, Scored
 from schemas.topics import POLICY_VERSION, SCORED
 
@@ -20,6 +22,29 @@ from schemas.topics import POLICY_VERSION, SCORED
 def batch_keys(segments: list[Scored]) -> list[tuple[str, str, bool]]:
     """What :meth:`OutcomeBook.global_advantages` needs of each segment of a batch."""
     return [(s.trajectory_id, s.task_id, s.trajectory_done) for s in segments]
+
+
+class CreditLog(FoldBase):
+    """Every scored segment (log order) and every update the learner published (in order)."""
+
+    topics = (SCORED, POLICY_VERSION)
+
+    def __init__(self) -> None:
+        self.scored: dict[str, Scored] = {}
+        self.updates: list[PolicyVersion] = []
+
+    def apply(self, event: Event) -> None:
+        if isinstance(event, Scored):
+            self.scored[event.segment_id] = event
+        elif isinstance(event, PolicyVersion) and event.reason == "update":
+            self.updates.append(event)
+
+    def outcome_book(self, group_size: int, mask_failed: bool = True) -> OutcomeBook:
+        """The book as the learner left it after its last published update."""
+        book = OutcomeBook(group_size, mask_failed)
+        for _ in replay_outcome_book(book, self.scored, self.updates):
+            pass
+        return book
 
 
 async def read_credit_log(bus: Bus, on_bad: Literal["skip", "raise"] = "raise",
@@ -31,16 +56,10 @@ async def read_credit_log(bus: Bus, on_bad: Literal["skip", "raise"] = "raise",
     log); the learner's restart skips it, as the live learner dead-lettered it. ``run_id``:
     only that run's events (a cluster's topics hold every run's).
     """
-    known = {t.name for t in await bus.topics()}
-    scored: dict[str, Scored] = {}
-    updates: list[PolicyVersion] = []
-    topics = [t for t in (SCORED, POLICY_VERSION) if t in known]
-    async for _, event in read_events(bus, topics, on_bad=on_bad, run_id=run_id):
-        if isinstance(event, Scored):
-            scored[event.segment_id] = event
-        elif isinstance(event, PolicyVersion) and event.reason == "update":
-            updates.append(event)
-    return scored, updates
+    log = CreditLog()
+    async for _, event in read_events(bus, log.topics, on_bad=on_bad, run_id=run_id):
+        log.apply(event)
+    return log.scored, log.updates
 
 
 def replay_outcome_book(book: OutcomeBook, scored: dict[str, Scored],
@@ -52,13 +71,3 @@ def replay_outcome_book(book: OutcomeBook, scored: dict[str, Scored],
     for update in updates:
         batch = [scored[sid] for sid in update.trained_segments if sid in scored]
         yield update, book.global_advantages(batch_keys(batch))
-
-
-async def restore_outcome_book(bus: Bus, group_size: int, run_id: str,
-                               mask_failed: bool = True) -> OutcomeBook:
-    """The book as the learner of ``run_id`` left it after its last published update."""
-    book = OutcomeBook(group_size, mask_failed)
-    scored, updates = await read_credit_log(bus, on_bad="skip", run_id=run_id)
-    for _ in replay_outcome_book(book, scored, updates):
-        pass
-    return book

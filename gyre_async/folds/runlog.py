@@ -14,7 +14,9 @@ from collections.abc import Callable
 
 from gyre_async.bus import Bus
 from gyre_async.bus.reading import read_events
+from gyre_async.folds.fold import FoldBase, restore
 from gyre_async.folds.run_fold import RunFold
+from schemas import Event
 from schemas.events import PolicyVersion
 from schemas.topics import EVAL, POLICY_VERSION, SCORED, SEGMENT_CLOSED, TELEMETRY, TRAJECTORY_STEP
 
@@ -27,9 +29,7 @@ async def load_runlog(bus: Bus, *, with_steps: bool = True,
     topics = [POLICY_VERSION, EVAL, SEGMENT_CLOSED, SCORED, TELEMETRY]
     if with_steps:
         topics.append(TRAJECTORY_STEP)
-    known = {t.name for t in await bus.topics()}
-    async for record, event in read_events(bus, [t for t in topics if t in known],
-                                           on_bad="skip", counts=fold.read):
+    async for record, event in read_events(bus, topics, on_bad="skip", counts=fold.read):
         fold.apply(event, record.topic)
     return fold
 
@@ -54,18 +54,38 @@ async def policy_versions_in_force(
     bus: Bus, run_id: str, trusted: Callable[[PolicyVersion], bool] | None = None
 ) -> list[PolicyVersion]:
     """Every ``policy-version`` of ``run_id`` that ``trusted`` accepts, the one in force
-    first (:func:`current_policy_version`'s order), then the ones before it: a restart
-    whose newest version does not load (its checkpoint missing, corrupt or non-finite: an
-    announcement forged in the learner's name, or damage) goes on with the next."""
-    known = {t.name for t in await bus.topics()}
-    if POLICY_VERSION not in known:
-        return []
-    found = [event async for _record, event in read_events(bus, [POLICY_VERSION], on_bad="skip")
-             if isinstance(event, PolicyVersion) and event.run_id == run_id
-             and (trusted is None or trusted(event))]
-    found.reverse()  # of two equal keys, the later publication comes first (sort is stable)
-    found.sort(key=lambda e: (e.ts, e.version), reverse=True)
-    return found
+    first (:meth:`VersionsInForce.in_force`)."""
+    versions = VersionsInForce(trusted)
+    await restore(bus, [versions], run_id=run_id)
+    return versions.in_force()
+
+
+class VersionsInForce(FoldBase):
+    """The run's policy versions that ``trusted`` accepts, to find the one in force.
+
+    A restart whose newest version does not load (its checkpoint missing, corrupt or
+    non-finite: an announcement forged in the learner's name, or damage) goes on with the
+    next one, so the fold keeps them all (a few hundred small events)."""
+
+    topics = (POLICY_VERSION,)
+
+    def __init__(self, trusted: Callable[[PolicyVersion], bool] | None = None):
+        self.trusted = trusted
+        self.found: list[PolicyVersion] = []
+
+    def accepts(self, event: Event) -> bool:
+        return isinstance(event, PolicyVersion) and (self.trusted is None or self.trusted(event))
+
+    def apply(self, event: Event) -> None:
+        assert isinstance(event, PolicyVersion)
+        self.found.append(event)
+
+    def in_force(self) -> list[PolicyVersion]:
+        """The one in force first (the newest publication: a rollback may lower the
+        version), then the ones before it."""
+        found = list(reversed(self.found))  # of two equal keys, the later publication first
+        found.sort(key=lambda e: (e.ts, e.version), reverse=True)  # (sort is stable)
+        return found
 
 
 def metrics_rows(log: RunFold) -> list[dict]:

@@ -31,11 +31,9 @@ async def successful_trajectories(cfg: Config, bus_override: str | None = None,
     """Complete trajectories of the run that succeeded (or scored at least ``min_score``)."""
     steps: dict[str, dict[int, TrajectoryStep]] = defaultdict(dict)
     async with open_run_bus(cfg, bus_override) as bus:
-        known = {t.name for t in await bus.topics()}
-        if TRAJECTORY_STEP in known:
-            async for _record, event in read_events(bus, [TRAJECTORY_STEP], on_bad="skip"):
-                if isinstance(event, TrajectoryStep):
-                    steps[event.trajectory_id][event.step_index] = event
+        async for _record, event in read_events(bus, [TRAJECTORY_STEP], on_bad="skip"):
+            if isinstance(event, TrajectoryStep):
+                steps[event.trajectory_id][event.step_index] = event
     good = []
     for by_index in steps.values():
         ordered = [by_index[i] for i in range(len(by_index)) if i in by_index]

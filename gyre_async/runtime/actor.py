@@ -49,7 +49,9 @@ import structlog
 from gyre_async import timing
 from gyre_async.bus import Bus, Consumer, MessageTooLarge, Record
 from gyre_async.bus.base import TopicPartition
+from gyre_async.bus.reading import ReadCounts
 from gyre_async.errors import is_retriable
+from gyre_async.folds.fold import Fold, restore
 from schemas import DecodeError, Event, decode, encode, event_id
 from schemas.events import DeadLetter, Heartbeat, finite_reading
 from schemas.topics import DEAD_LETTER, TELEMETRY
@@ -108,8 +110,17 @@ class Actor:
 
     runner: ActorRunner
 
+    def folds(self) -> Sequence[Fold]:
+        """The state this actor rebuilds from the log, declared (:mod:`gyre_async.folds.fold`).
+
+        The runner restores them in one read: those without ``restore_on`` before
+        :meth:`on_start` (which then reads their state), those with it after
+        :meth:`assignment_changed` whenever partitions of those topics are added. Called
+        once, when the runner starts; an actor writes no restart reads of its own."""
+        return ()
+
     async def on_start(self) -> None:
-        """Called once before consuming (e.g. rebuild state from the bus)."""
+        """Called once before consuming, after the declared folds are restored."""
 
     async def on_stop(self) -> None:
         """Called once after the last batch was committed."""
@@ -128,7 +139,8 @@ class Actor:
         this member: a replica of the role joined or left. Called before the first records
         of an added partition are handled (the first assignment counts as added), so an
         actor whose state is per partition can catch up on what another member did with it,
-        and let go of state for partitions that are no longer its own."""
+        and let go of state for partitions that are no longer its own. Folds declared with
+        ``restore_on`` are restored right after this returns (:meth:`folds`)."""
 
     async def ready(self) -> None:
         """Wait here to hold consumption (backpressure); the default never waits."""
@@ -217,6 +229,8 @@ class ActorRunner:
         self.reassignments = 0  # times the group moved partitions to or from this member
         #: next offset to consume per partition (fetched *and* handled, outputs published)
         self.position: dict[tuple[str, int], int] = {}
+        self.rebuild = ReadCounts()  # what restoring the folds read (undecodable: skipped)
+        self._folds: list[Fold] = []
         self._busy = False  # a fetched batch (or an idle pass) whose outputs are not out yet
         self.log = log.bind(run_id=run_id, actor=self.name)
         actor.runner = self
@@ -274,10 +288,19 @@ class ActorRunner:
             return False
         return True
 
-    async def run(self) -> None:
+    async def start(self) -> None:
+        """Create the actor's topics, restore its declared folds of the whole run (one
+        read), then call its ``on_start``: what :meth:`run` does before consuming, and what
+        a test of a restart calls alone."""
         await self.bus.create_topics(set(self.actor.consumes) | set(self.actor.emits)
                                      | {DEAD_LETTER, TELEMETRY}, self.partitions)
+        self._folds = list(self.actor.folds())
+        await restore(self.bus, [f for f in self._folds if not f.restore_on],
+                      run_id=self.run_id, counts=self.rebuild)
         await self.actor.on_start()
+
+    async def run(self) -> None:
+        await self.start()
         self.log.info("actor.started", role=self.actor.role, consumes=self.actor.consumes)
         tasks = [asyncio.create_task(self._heartbeat_loop(), name=f"{self.name}-heartbeat")]
         if type(self.actor).produce is not Actor.produce:
@@ -367,6 +390,10 @@ class ActorRunner:
             self.log.info("actor.assignment", added=sorted(added), removed=sorted(removed))
             self._forget_seen(added | removed)
             await self.actor.assignment_changed(added, removed)
+            topics = {topic for topic, _ in added}
+            again = [f for f in self._folds if topics.intersection(f.restore_on)]
+            if again:  # what other members did with the partitions while they had them
+                await restore(self.bus, again, run_id=self.run_id, counts=self.rebuild)
 
     def _forget_seen(self, partitions: set[TopicPartition]) -> None:
         """A partition that moves away or comes (back) is read from its committed offset, as
@@ -582,7 +609,8 @@ class ActorRunner:
         self._hb_seq += 1
         stats = {"dead_letters": float(self.dead_letters), "duplicates": float(self.duplicates),
                  "foreign_events": float(self.foreign),
-                 "unconsumed": float(unconsumed)}
+                 "unconsumed": float(unconsumed),
+                 "rebuild_skipped": float(self.rebuild.skipped)}
         # a stat with no reading (NaN) is left out, an infinite one capped: heartbeats, like
         # every event, carry finite floats only
         stats.update({k: finite_reading(v) for k, v in self.actor.stats().items()

@@ -79,8 +79,6 @@ async def read_trajectories(url: str, run_id: str):
     steps: dict[str, dict[int, tuple[float, bool]]] = defaultdict(dict)
     errors: dict[str, EnvError] = {}
     async with open_bus(url) as bus:
-        if TRAJECTORY_STEP not in {t.name for t in await bus.topics()}:
-            return steps, errors
         async for _, event in read_events(bus, [TRAJECTORY_STEP], on_bad="skip"):
             if event.run_id != run_id or event.producer != ROLE:
                 continue

@@ -3,6 +3,8 @@
 consumes: segment-closed (SegmentClosed)
 emits:    scored (Scored, or RewardFailed when a component fails),
           telemetry (DriftReport: the process reward model re-checked on reference judgments)
+reads:    scored, telemetry (every verdict and drift report of the run: a fold, on each
+          assignment of segment-closed partitions)
 
 Levels, highest first (the first that applies "decides" the segment's verdict):
 ``guard`` (farming, unproven milestone claims, pluggable safety rules: they veto) >
@@ -43,6 +45,7 @@ class Arbiter(Actor):
     role = "arbiter"
     consumes = (SEGMENT_CLOSED,)
     emits = (SCORED, TELEMETRY)
+    reads = (SCORED, TELEMETRY)  # every verdict (and drift report) of the run, a fold
 
     def __init__(self, config: ArbiterConfig, max_segment_steps: int | None = None):
         self.config = config

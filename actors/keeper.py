@@ -2,6 +2,7 @@
 
 consumes: policy-version (PolicyVersion), eval (EvalResult)
 emits:    keeper (KeptCheckpoint, Rollback, CheckpointFault)
+reads:    keeper, policy-version, eval (its history, a fold, on a restart)
 
 What it keeps (``gyre_async.core.keeper_slots``): ``best`` validation, latest ``stable``
 (validated without regression) and ``pre-large``, the version before the last large update.
@@ -65,6 +66,7 @@ class Keeper(Actor):
     role = "keeper"
     consumes = (POLICY_VERSION, EVAL)
     emits = (KEEPER,)
+    reads = (KEEPER,)  # its own orders, on a restart
 
     def __init__(self, cfg: Config):
         self.cfg = cfg

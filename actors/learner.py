@@ -2,6 +2,8 @@
 
 consumes: scored (Scored, RewardFailed), keeper (Rollback)
 emits:    policy-version (PolicyVersion), telemetry (SegmentDropped, CriticReset)
+reads:    policy-version, scored (its versions, credit log and last batches: folds, on a
+          restart)
 
 A thin adapter over :class:`gyre_async.core.learner.LearnerCore`, which decides what to
 train on, runs the update and follows rollbacks: this module moves events and bytes
@@ -63,6 +65,7 @@ class Learner(Actor):
     role = "learner"
     consumes = (SCORED, KEEPER)
     emits = (POLICY_VERSION, TELEMETRY)
+    reads = (POLICY_VERSION,)  # its restart folds (scored: consumed too)
 
     def __init__(self, cfg: Config):
         self.cfg = cfg

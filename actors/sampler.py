@@ -3,6 +3,7 @@
 consumes: policy-version (PolicyVersion), telemetry (SegmentDropped: the learner's
           consumed count, for the staleness gate)
 emits:    trajectory-step (TrajectoryStep, EnvError)
+reads:    trajectory-step (its own earlier steps), policy-version (folds, on a restart)
 
 The environments, the batched policy and the staleness gate are
 :class:`gyre_async.core.sampler.SamplerCore`'s. This adapter hands it every policy version,
@@ -39,6 +40,7 @@ class Sampler(Actor):
     role = "sampler"
     consumes = (POLICY_VERSION, TELEMETRY)
     emits = (TRAJECTORY_STEP,)
+    reads = (TRAJECTORY_STEP,)  # its own earlier steps, on a restart
     group_per_name = True
 
     def __init__(self, cfg: Config):

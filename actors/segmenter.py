@@ -2,6 +2,8 @@
 
 consumes: trajectory-step (TrajectoryStep, EnvError)
 emits:    segment-closed (SegmentClosed)
+reads:    segment-closed (a fold, on each assignment), policy-version and telemetry (what
+          the learner is done with, followed for retention: gyre_async.experience.retention)
 
 The cutting rules live in :mod:`gyre_async.core.segmenter`; this adapter feeds it steps,
 writes the segments it closes to the Zarr segment store *before* ``segment-closed``
@@ -41,7 +43,7 @@ from gyre_async.core.segmenter import (
     segment_id,
 )
 from gyre_async.errors import is_retriable
-from gyre_async.experience.retention import Retention, incoming_bytes
+from gyre_async.experience.retention import CONSUMPTION_TOPICS, Retention, incoming_bytes
 from gyre_async.folds.restart import ClosedSegments
 from gyre_async.runtime.actor import Actor, Emit
 from gyre_async.storage.segments import SegmentRef, SegmentStore
@@ -56,6 +58,7 @@ class Segmenter(Actor):
     role = "segmenter"
     consumes = (TRAJECTORY_STEP,)
     emits = (SEGMENT_CLOSED,)
+    reads = (SEGMENT_CLOSED, *CONSUMPTION_TOPICS)
 
     def __init__(self, config: SegmenterConfig, store_url: str, run_id: str):
         self.config = config

@@ -100,6 +100,12 @@ class Actor:
     role: ClassVar[str] = "actor"
     consumes: ClassVar[tuple[str, ...]] = ()
     emits: ClassVar[tuple[str, ...]] = ()
+    #: topics read back outside the consumer group, neither consumed nor only emitted: the
+    #: declared folds' and any follower's (the segmenter's retention follows the learner's
+    #: topics). Every topic a role reads is in ``consumes``, ``emits`` or here
+    #: (:func:`gyre_async.runtime.topology.inputs`), and the runner refuses a fold that
+    #: reads anything else.
+    reads: ClassVar[tuple[str, ...]] = ()
     #: at most this many records per batch (outputs are published once per batch): an actor
     #: whose handler takes long (an evaluation) sets 1 so each result goes out when it exists
     max_batch: ClassVar[int | None] = None
@@ -295,6 +301,11 @@ class ActorRunner:
         await self.bus.create_topics(set(self.actor.consumes) | set(self.actor.emits)
                                      | {DEAD_LETTER, TELEMETRY}, self.partitions)
         self._folds = list(self.actor.folds())
+        declared = {*self.actor.consumes, *self.actor.emits, *self.actor.reads}
+        undeclared = sorted({t for f in self._folds for t in f.topics} - declared)
+        if undeclared:
+            raise TypeError(f"{type(self.actor).__name__} folds read {undeclared}, which it "
+                            f"does not declare: add them to its `reads`")
         await restore(self.bus, [f for f in self._folds if not f.restore_on],
                       run_id=self.run_id, counts=self.rebuild)
         await self.actor.on_start()

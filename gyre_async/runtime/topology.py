@@ -20,6 +20,15 @@ Edges (topic: producer -> consumers; what pushes back):
 - telemetry: every actor -> monitor (heartbeats with lag); learner -> sampler too
   (``segment-dropped`` carries the learner's consumed count: drops reopen the gate at once).
 - dead-letter: every actor -> operators (input it could not use, with the reason).
+
+Read back outside the consumer groups (each role's ``reads``; :func:`inputs` has them all):
+- sampler: its own earlier trajectory-step (episodes to resume), policy-version (the
+  version in force) on a restart.
+- segmenter: segment-closed (what any segmenter closed) on each partition assignment;
+  policy-version and telemetry followed, for retention (what the learner is done with).
+- arbiter: scored and telemetry (verdicts and drift reports) on each assignment.
+- learner: policy-version and scored (versions in force, credit log, last batches).
+- keeper: keeper, policy-version and eval (its slots and decisions) on a restart.
 """
 
 from __future__ import annotations
@@ -55,6 +64,13 @@ def actor_class(role: str):
         ) from None
     module, _, cls = target.partition(":")
     return getattr(importlib.import_module(module), cls)
+
+
+def inputs(role: str) -> dict[str, tuple[str, ...]]:
+    """Every topic ``role`` reads: ``consumes`` (its consumer group) and ``reads`` (read
+    back: its restart folds, its followers)."""
+    cls = actor_class(role)
+    return {"consumes": tuple(cls.consumes), "reads": tuple(cls.reads)}
 
 
 def build_actor(role: str, cfg: Config):

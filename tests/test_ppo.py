@@ -6,14 +6,12 @@ import math
 
 import pytest
 import torch
+from reference_ppo import slow_entropy_bonus, slow_ppo_policy_loss, slow_value_loss
 
 from gyre_async.rl.ppo import (
     broadcast_step_advantages,
     entropy_bonus,
     ppo_policy_loss,
-    slow_entropy_bonus,
-    slow_ppo_policy_loss,
-    slow_value_loss,
     value_loss,
 )
 

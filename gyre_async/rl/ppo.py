@@ -10,13 +10,10 @@ learner. Decoupled PPO separates two jobs that plain PPO gives to one ratio:
 
 Token-level tensors are [B, A]: B rows (one per step), A action tokens per step, with a
 token mask. Per-step advantages are spread over a step's tokens by
-:func:`broadcast_step_advantages`. Each loss has a ``slow_*`` per-token reference.
+:func:`broadcast_step_advantages`. Each loss has a per-token reference in ``tests/reference_ppo.py``.
 """
 
 from __future__ import annotations
-
-import math
-from collections.abc import Sequence
 
 import torch
 
@@ -81,45 +78,6 @@ def ppo_policy_loss(
     return loss, stats
 
 
-def slow_ppo_policy_loss(
-    new_logp: Sequence[Sequence[float]],
-    prox_logp: Sequence[Sequence[float]],
-    behav_logp: Sequence[Sequence[float]],
-    advantages: Sequence[Sequence[float]],
-    mask: Sequence[Sequence[float]],
-    clip_eps: float = 0.2,
-    is_cap: float = 5.0,
-) -> tuple[float, dict[str, float]]:
-    """Reference for :func:`ppo_policy_loss`, token by token."""
-    total = clipped = kl = wsum = capped = 0.0
-    n = 0
-    for b in range(len(new_logp)):
-        for a in range(len(new_logp[b])):
-            if not mask[b][a]:
-                continue
-            n += 1
-            lr = float(new_logp[b][a]) - float(prox_logp[b][a])
-            r = math.exp(lr)
-            adv = float(advantages[b][a])
-            s1 = r * adv
-            s2 = min(max(r, 1.0 - clip_eps), 1.0 + clip_eps) * adv
-            raw_w = math.exp(float(prox_logp[b][a]) - float(behav_logp[b][a]))
-            w = min(raw_w, is_cap)
-            total += -min(s1, s2) * w
-            clipped += 1.0 if s2 < s1 else 0.0
-            kl += (r - 1.0) - lr
-            wsum += w
-            capped += 1.0 if raw_w > is_cap else 0.0
-    d = max(n, 1)
-    stats = {
-        "clip_fraction": clipped / d,
-        "approx_kl": kl / d,
-        "importance_weight_mean": wsum / d,
-        "importance_weight_capped": capped / d,
-    }
-    return total / d, stats
-
-
 def value_loss(
     new_v: torch.Tensor,
     old_v: torch.Tensor,
@@ -139,28 +97,6 @@ def value_loss(
     return 0.5 * _masked_mean(err, m)
 
 
-def slow_value_loss(
-    new_v: Sequence[float],
-    old_v: Sequence[float],
-    returns: Sequence[float],
-    clip: float | None,
-    mask: Sequence[float] | None = None,
-) -> float:
-    """Reference for :func:`value_loss` over flat sequences."""
-    total, n = 0.0, 0
-    for i in range(len(new_v)):
-        if mask is not None and not mask[i]:
-            continue
-        v, o, r = float(new_v[i]), float(old_v[i]), float(returns[i])
-        err = (v - r) ** 2
-        if clip is not None:
-            v_clip = o + min(max(v - o, -clip), clip)
-            err = max(err, (v_clip - r) ** 2)
-        total += err
-        n += 1
-    return 0.5 * total / max(n, 1)
-
-
 def entropy_bonus(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean entropy of the token distributions, logits [B, A, V], over masked tokens.
 
@@ -171,20 +107,3 @@ def entropy_bonus(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     logp = torch.log_softmax(logits.float() if low_precision else logits, dim=-1)
     entropy = -(logp.exp() * logp).sum(dim=-1)
     return _masked_mean(entropy, mask)
-
-
-def slow_entropy_bonus(
-    logits: Sequence[Sequence[Sequence[float]]], mask: Sequence[Sequence[float]]
-) -> float:
-    """Reference for :func:`entropy_bonus`."""
-    total, n = 0.0, 0
-    for b in range(len(logits)):
-        for a in range(len(logits[b])):
-            if not mask[b][a]:
-                continue
-            zs = [float(z) for z in logits[b][a]]
-            top = max(zs)
-            log_norm = top + math.log(sum(math.exp(z - top) for z in zs))
-            total += -sum(math.exp(z - log_norm) * (z - log_norm) for z in zs)
-            n += 1
-    return total / max(n, 1)

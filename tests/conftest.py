@@ -47,6 +47,17 @@ def tansu(tmp_path_factory):
 
 
 @pytest.fixture
+async def scratch_bus(tmp_path):
+    """An embedded bus in the test's folder, to run one actor on (tests/scratch.py)."""
+    from scratch import ScratchBus
+
+    from gyre_async.bus import open_bus
+
+    async with open_bus(f"sqlite:///{tmp_path}/events.db") as bus:
+        yield ScratchBus(bus)
+
+
+@pytest.fixture
 def unique():
     return uuid.uuid4().hex[:10]
 

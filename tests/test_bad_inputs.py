@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import TinyConfig
+from scratch import run_until
 
 from actors.echo import EchoActor
 from actors.learner import Learner
@@ -168,16 +169,8 @@ def test_non_finite_values_refused_before_any_optimizer_step(tmp_path, tiny):
 
 # -- a corrupted Zarr chunk, a checkpoint with a wrong hash ------------------------------------
 
-async def _run_until(runner: ActorRunner, done, timeout: float = 60) -> None:
-    task = asyncio.create_task(runner.run())
-    deadline = time.monotonic() + timeout
-    while not done() and time.monotonic() < deadline and not task.done():
-        await asyncio.sleep(0.1)
-    runner.stop()
-    await task
-
-
-async def test_corrupt_segment_is_refused_and_the_rest_of_its_batch_trains(tmp_path, tiny):
+async def test_corrupt_segment_is_refused_and_the_rest_of_its_batch_trains(tmp_path, tiny,
+                                                                           scratch_bus):
     cfg = tiny_learner_config(tiny, batch_steps=12)
     store = SegmentStore(str(tmp_path / "segments.zarr"))
     clean = [store_segment(store, t) for t in ("traj-a", "traj-b")]
@@ -195,15 +188,11 @@ async def test_corrupt_segment_is_refused_and_the_rest_of_its_batch_trains(tmp_p
     for chunk in (c for c in chunks if c.is_file()):
         chunk.write_bytes(b"\x00garbage" * 8)
     more = store_segment(store, "traj-c")
-    async with open_bus(f"sqlite:///{tmp_path}/events.db") as bus:
-        await bus.create_topics([SCORED], 1)
-        await bus.publish(SCORED, [(b"k", encode(s)) for s in (*clean, rotten, more)])
-        learner = Learner(cfg)
-        runner = ActorRunner(learner, bus, run_id="tiny", heartbeat_s=30, partitions=1)
-        await _run_until(runner, lambda: learner.core.version >= 1)
-        dropped = [e for r in await read_topics(bus, [TELEMETRY])
-                   if isinstance(e := decode(TELEMETRY, r.value), SegmentDropped)]
-        versions = [decode(POLICY_VERSION, r.value) for r in await read_topics(bus, [POLICY_VERSION])]
+    await scratch_bus.publish(SCORED, *clean, rotten, more, key=b"k")
+    learner = Learner(cfg)
+    await scratch_bus.run(learner, lambda: learner.core.version >= 1)
+    dropped = [e for e in await scratch_bus.events(TELEMETRY) if isinstance(e, SegmentDropped)]
+    versions = await scratch_bus.events(POLICY_VERSION)
     assert [d.segment_id for d in dropped] == [rotten.segment_id]
     assert rotten.segment_id in dropped[0].reason and "unreadable" in dropped[0].reason
     assert "corrupt" in dropped[0].reason, dropped[0].reason
@@ -211,7 +200,8 @@ async def test_corrupt_segment_is_refused_and_the_rest_of_its_batch_trains(tmp_p
     assert versions[-1].trained_segments == [s.segment_id for s in (*clean, more)]
 
 
-async def test_policy_version_with_wrong_hash_is_dead_lettered_by_the_sampler(tmp_path, tiny):
+async def test_policy_version_with_wrong_hash_is_dead_lettered_by_the_sampler(tmp_path, tiny,
+                                                                             scratch_bus):
     from actors.sampler import Sampler
     from gyre_async.policy.factory import save_weights
     from gyre_async.storage.checkpoints import CheckpointStore
@@ -223,14 +213,12 @@ async def test_policy_version_with_wrong_hash_is_dead_lettered_by_the_sampler(tm
     bad = PolicyVersion(event_id=event_id("pv", 0), run_id="tiny", producer="learner",
                         key="policy", version=0, checkpoint=ref.address,
                         checkpoint_hash="0" * 64, reason="init")
-    async with open_bus(f"sqlite:///{tmp_path}/events.db") as bus:
-        await bus.create_topics([POLICY_VERSION], 1)
-        runner = ActorRunner(sampler, bus, run_id="tiny", heartbeat_s=30, partitions=1)
-        task = asyncio.create_task(_run_until(runner, lambda: runner.dead_letters >= 1, 30))
-        await asyncio.sleep(1.0)  # running, waiting for a policy
-        await bus.publish(POLICY_VERSION, [(b"policy", encode(bad))])
-        await task
-        dead = [decode(DEAD_LETTER, r.value) for r in await read_topics(bus, [DEAD_LETTER])]
+    runner = scratch_bus.runner(sampler)
+    task = asyncio.create_task(run_until(runner, lambda: runner.dead_letters >= 1, 30))
+    await asyncio.sleep(1.0)  # running, waiting for a policy
+    await scratch_bus.publish(POLICY_VERSION, bad)
+    await task
+    dead = await scratch_bus.dead_letters()
     assert len(dead) == 1 and "does not match expected" in dead[0].reason, dead
     assert "0" * 64 in dead[0].reason and "fix:" in dead[0].reason
     assert sampler.holder.version == -1  # it never acted with the unverified weights
@@ -253,7 +241,7 @@ async def test_restarted_learner_does_not_train_redelivered_segments_again(tmp_p
         await bus.publish(SCORED, [(b"k", encode(s)) for s in first])
         learner = Learner(cfg)
         runner = ActorRunner(learner, bus, run_id="tiny", heartbeat_s=30, partitions=1)
-        await _run_until(runner, lambda: learner.core.version >= 1)
+        await run_until(runner, lambda: learner.core.version >= 1)
     with sqlite3.connect(tmp_path / "events.db") as db:
         assert db.execute("DELETE FROM commits WHERE grp = 'tiny.learner'").rowcount > 0
     later = [store_segment(store, t) for t in ("traj-c", "traj-d")]
@@ -261,7 +249,7 @@ async def test_restarted_learner_does_not_train_redelivered_segments_again(tmp_p
         await bus.publish(SCORED, [(b"k", encode(s)) for s in later])
         learner = Learner(cfg)
         runner = ActorRunner(learner, bus, run_id="tiny", heartbeat_s=30, partitions=1)
-        await _run_until(runner, lambda: learner.core.version >= 2, timeout=60)
+        await run_until(runner, lambda: learner.core.version >= 2, timeout=60)
         versions = [decode(POLICY_VERSION, r.value) for r in await read_topics(bus, [POLICY_VERSION])]
     assert [v.version for v in versions] == [0, 1, 2]
     assert versions[1].trained_segments == [s.segment_id for s in first]

@@ -5,7 +5,8 @@ wait for a verdict that will never come."""
 from __future__ import annotations
 
 import msgspec
-from test_bad_inputs import _run_until, store_segment, tiny_learner_config
+from scratch import run_until
+from test_bad_inputs import store_segment, tiny_learner_config
 
 from actors.learner import Learner
 from gyre_async.bus import open_bus
@@ -34,7 +35,7 @@ async def test_withheld_final_segment_ends_its_episode_in_sync_mode(tmp_path, ti
         await bus.publish(SCORED, [(b"a", encode(finished)), (b"b", encode(failed))])
         learner = Learner(cfg)
         runner = ActorRunner(learner, bus, run_id="tiny", heartbeat_s=30, partitions=1)
-        await _run_until(runner, lambda: learner.core.version >= 1, timeout=60)
+        await run_until(runner, lambda: learner.core.version >= 1, timeout=60)
         versions = [e for rec in await read_topics(bus, [POLICY_VERSION])
                     if isinstance(e := decode(POLICY_VERSION, rec.value), PolicyVersion)]
     assert [v.version for v in versions] == [0, 1]

@@ -24,6 +24,7 @@ import msgspec
 import pytest
 import torch
 from conftest import TinyConfig
+from scratch import run_until
 from test_bad_inputs import store_segment, tiny_learner_config
 
 from actors.keeper import Keeper
@@ -49,7 +50,6 @@ from schemas.events import (
 )
 from schemas.topics import (
     ALL_TOPICS,
-    DEAD_LETTER,
     EVAL,
     KEEPER,
     POLICY_VERSION,
@@ -58,19 +58,6 @@ from schemas.topics import (
 )
 
 SHA = "0" * 64
-
-
-async def _run_until(runner: ActorRunner, done, timeout: float = 60) -> None:
-    task = asyncio.create_task(runner.run())
-    deadline = time.monotonic() + timeout
-    while not done() and time.monotonic() < deadline and not task.done():
-        await asyncio.sleep(0.1)
-    runner.stop()
-    await task
-
-
-async def _dead_letters(bus) -> list:
-    return [decode(DEAD_LETTER, r.value) for r in await read_topics(bus, [DEAD_LETTER])]
 
 
 def _listener() -> socket.socket:
@@ -102,7 +89,7 @@ def _pv(ref, producer: str = "learner", **fields) -> PolicyVersion:
 # -- the learner: a foreign protocol is dead-lettered, never kept, never connected to --------
 
 async def test_learner_dead_letters_a_foreign_protocol_without_connecting_and_trains_on(
-        tmp_path, tiny: TinyConfig):
+        tmp_path, tiny: TinyConfig, scratch_bus):
     cfg = tiny_learner_config(tiny)  # run_dir = tmp_path, batches of 8 steps
     store = SegmentStore(str(tmp_path / "segments.zarr"))  # the run's own segment store
     a, b, c, d = (store_segment(store, t) for t in ("traj-a", "traj-b", "traj-c", "traj-d"))
@@ -110,15 +97,12 @@ async def test_learner_dead_letters_a_foreign_protocol_without_connecting_and_tr
     port = server.getsockname()[1]
     foreign = msgspec.structs.replace(store_segment(store, "traj-x"), event_id="foreign",
                                       address=f"ftp://127.0.0.1:{port}/x#{a.segment_id}")
-    async with open_bus(f"sqlite:///{tmp_path}/events.db") as bus:
-        await bus.create_topics([SCORED], 1)
-        await bus.publish(SCORED, [(b"k", encode(s)) for s in (a, foreign, b, c, d)])
-        learner = Learner(cfg)
-        runner = ActorRunner(learner, bus, run_id="tiny", heartbeat_s=30, partitions=1)
-        await _run_until(runner, lambda: learner.core.version >= 2)
-        dead = await _dead_letters(bus)
-        versions = [decode(POLICY_VERSION, r.value) for r in await read_topics(bus, [POLICY_VERSION])]
-        committed = await bus.committed("tiny.learner", SCORED)
+    await scratch_bus.publish(SCORED, a, foreign, b, c, d, key=b"k")
+    learner = Learner(cfg)
+    await scratch_bus.run(learner, lambda: learner.core.version >= 2)
+    dead = await scratch_bus.dead_letters()
+    versions = await scratch_bus.events(POLICY_VERSION)
+    committed = await scratch_bus.bus.committed("tiny.learner", SCORED)
     try:
         assert _no_connection(server), "the learner connected to the address an event named"
     finally:
@@ -189,7 +173,7 @@ def test_checkpoint_addresses_outside_the_roots_are_refused(tmp_path, address):
 
 
 async def test_sampler_dead_letters_a_checkpoint_outside_the_roots_and_creates_nothing(
-        tmp_path, tiny: TinyConfig):
+        tmp_path, tiny: TinyConfig, scratch_bus):
     """A ``policy-version`` naming a real, intact checkpoint (right hash) in a folder outside
     the run's checkpoint root: refused unread; a good one is then loaded."""
     cfg = tiny_learner_config(tiny)
@@ -199,13 +183,9 @@ async def test_sampler_dead_letters_a_checkpoint_outside_the_roots_and_creates_n
     nowhere = msgspec.structs.replace(
         _pv(outside), event_id="nowhere", checkpoint=f"file://{missing}/{outside.address.rsplit('/', 1)[1]}")
     good = save_weights(CheckpointStore(str(tmp_path / "checkpoints")), sampler.holder.policy, 1)
-    async with open_bus(f"sqlite:///{tmp_path}/events.db") as bus:
-        await bus.create_topics([POLICY_VERSION], 1)
-        await bus.publish(POLICY_VERSION, [(b"policy", encode(e))
-                                           for e in (_pv(outside), nowhere, _pv(good))])
-        runner = ActorRunner(sampler, bus, run_id="tiny", heartbeat_s=30, partitions=1)
-        await _run_until(runner, lambda: sampler.holder.version >= 1, 30)
-        dead = await _dead_letters(bus)
+    await scratch_bus.publish(POLICY_VERSION, _pv(outside), nowhere, _pv(good), key=b"policy")
+    await scratch_bus.run(sampler, lambda: sampler.holder.version >= 1, 30)
+    dead = await scratch_bus.dead_letters()
     assert [d.source_offset for d in dead] == [0, 1], [d.reason for d in dead]
     assert all("untrusted address" in d.reason for d in dead)
     assert sampler.holder.version == 1  # the good one, from the run's root, was loaded
@@ -228,7 +208,7 @@ def test_loading_a_checkpoint_creates_no_directory(tmp_path, tiny: TinyConfig):
 
 # -- checkpoints announced by the role that owns them -----------------------------------------
 
-async def test_checkpoints_announced_by_another_producer_are_refused(tmp_path, tiny: TinyConfig):
+async def test_checkpoints_announced_by_another_producer_are_refused(tmp_path, tiny: TinyConfig, scratch_bus):
     """A ``policy-version`` must come from this run's learner; a ``rollback`` from its
     keeper, with the file in the keeper's store: forged ones are dead-lettered with the
     reason, whatever hash they carry (the file and hash here are real)."""
@@ -236,16 +216,14 @@ async def test_checkpoints_announced_by_another_producer_are_refused(tmp_path, t
     sampler = Sampler(cfg)
     ref = save_weights(CheckpointStore(str(tmp_path / "checkpoints")), sampler.holder.policy, 3)
     forged = [_pv(ref, producer=p) for p in ("arbiter", "sampler", "learnerx", "keeper")]
-    async with open_bus(f"sqlite:///{tmp_path}/events.db") as bus:
-        await bus.create_topics([POLICY_VERSION], 1)
-        await bus.publish(POLICY_VERSION, [(b"policy", encode(e)) for e in forged])
-        runner = ActorRunner(sampler, bus, run_id="tiny", heartbeat_s=30, partitions=1)
-        await _run_until(runner, lambda: runner.dead_letters >= len(forged), 30)
-        dead = await _dead_letters(bus)
-        roots = StorageRoots.from_config(cfg)
-        # a restart looking for the latest version skips them too
-        assert await current_policy_version(bus, "tiny", roots.trusts) is None
-        assert (await current_policy_version(bus, "tiny")).producer == "keeper"
+    await scratch_bus.publish(POLICY_VERSION, *forged, key=b"policy")
+    runner = scratch_bus.runner(sampler)
+    await run_until(runner, lambda: runner.dead_letters >= len(forged), 30)
+    dead = await scratch_bus.dead_letters()
+    roots = StorageRoots.from_config(cfg)
+    # a restart looking for the latest version skips them too
+    assert await current_policy_version(scratch_bus.bus, "tiny", roots.trusts) is None
+    assert (await current_policy_version(scratch_bus.bus, "tiny")).producer == "keeper"
     assert len(dead) == len(forged) and sampler.holder.version == -1
     assert all("untrusted producer" in d.reason for d in dead), [d.reason for d in dead]
     assert sampler.core.learner_version == -1  # the gate did not move either
@@ -265,21 +243,18 @@ async def test_checkpoints_announced_by_another_producer_are_refused(tmp_path, t
     assert roots.checkpoint_of(_pv(ref, producer="warmstart")) == ref.address
 
 
-async def test_arbiter_dead_letters_a_segment_outside_the_roots(tmp_path, tiny: TinyConfig):
+async def test_arbiter_dead_letters_a_segment_outside_the_roots(tmp_path, tiny: TinyConfig, scratch_bus):
     cfg = tiny_learner_config(tiny)
     closed = SegmentClosed(
         event_id="c1", run_id="tiny", producer="segmenter", key="traj-a", segment_id="seg-1",
         trajectory_id="traj-a", task_id="task", step_start=0, step_end=2, boundary="max-length",
         address="ftp://127.0.0.1:21/x#seg-1", content_hash=SHA, min_policy_version=0,
         max_policy_version=0)
-    async with open_bus(f"sqlite:///{tmp_path}/events.db") as bus:
-        await bus.create_topics(ALL_TOPICS, 1)
-        await bus.publish(SEGMENT_CLOSED, [(b"traj-a", encode(closed))])
-        runner = ActorRunner(build_actor("arbiter", cfg), bus, run_id="tiny", heartbeat_s=30,
-                             partitions=1)
-        await _run_until(runner, lambda: runner.dead_letters >= 1, 30)
-        dead = await _dead_letters(bus)
-        scored = await read_topics(bus, [SCORED])
+    await scratch_bus.publish(SEGMENT_CLOSED, closed)
+    runner = scratch_bus.runner(build_actor("arbiter", cfg))
+    await run_until(runner, lambda: runner.dead_letters >= 1, 30)
+    dead = await scratch_bus.dead_letters()
+    scored = await scratch_bus.events(SCORED)
     assert len(dead) == 1 and "untrusted address" in dead[0].reason, dead
     assert scored == []  # never passed on to the learner
 
@@ -343,7 +318,8 @@ async def test_a_crafted_kept_checkpoint_makes_the_keeper_delete_nothing(tmp_pat
 
 # -- NaN / inf weights --------------------------------------------------------------------------
 
-async def test_a_checkpoint_with_nan_weights_is_refused_naming_the_tensor(tmp_path, tiny: TinyConfig):
+async def test_a_checkpoint_with_nan_weights_is_refused_naming_the_tensor(tmp_path, tiny: TinyConfig,
+                                                                         scratch_bus):
     cfg = tiny_learner_config(tiny)
     sampler = Sampler(cfg)
     policy = sampler.holder.policy
@@ -357,11 +333,9 @@ async def test_a_checkpoint_with_nan_weights_is_refused_naming_the_tensor(tmp_pa
                                                             "b": torch.tensor([1.0, float("inf")])})
     with pytest.raises(CheckpointNotFinite, match="tensor 'b'.*1 of 2 values"):
         CheckpointStore(str(tmp_path / "other")).load(inf.address, inf.sha256)
-    async with open_bus(f"sqlite:///{tmp_path}/events.db") as bus:
-        await bus.create_topics([POLICY_VERSION], 1)
-        await bus.publish(POLICY_VERSION, [(b"policy", encode(_pv(ref)))])
-        runner = ActorRunner(sampler, bus, run_id="tiny", heartbeat_s=30, partitions=1)
-        await _run_until(runner, lambda: runner.dead_letters >= 1, 30)
-        dead = await _dead_letters(bus)
+    await scratch_bus.publish(POLICY_VERSION, _pv(ref), key=b"policy")
+    runner = scratch_bus.runner(sampler)
+    await run_until(runner, lambda: runner.dead_letters >= 1, 30)
+    dead = await scratch_bus.dead_letters()
     assert len(dead) == 1 and name in dead[0].reason and "NaN or inf" in dead[0].reason
     assert sampler.holder.version == -1  # it never acted with those weights

@@ -1,0 +1,61 @@
+"""One actor on a scratch bus: the tests' one way to run a single role.
+
+``scratch_bus`` (conftest) opens an embedded bus in the test's folder; ``run`` starts one
+actor on it through the real runner (:class:`~gyre_async.runtime.actor.ActorRunner`),
+waits until ``until()`` holds (or the actor ends, or ``timeout``), stops it and returns
+the runner; ``publish``, ``events`` and ``dead_letters`` put events in and read them back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+from gyre_async.bus import Bus
+from gyre_async.bus.reading import read_events
+from gyre_async.runtime.actor import Actor, ActorRunner
+from schemas import Event, encode
+from schemas.events import DeadLetter
+from schemas.topics import DEAD_LETTER
+
+
+async def run_until(runner: ActorRunner, until: Callable[[], bool], timeout: float = 60) -> None:
+    """Run ``runner`` until ``until()`` holds, it ends on its own, or ``timeout``; then stop
+    it and wait for its end (an actor that crashed raises here)."""
+    task = asyncio.create_task(runner.run())
+    deadline = time.monotonic() + timeout
+    while not until() and time.monotonic() < deadline and not task.done():
+        await asyncio.sleep(0.1)
+    runner.stop()
+    await task
+
+
+class ScratchBus:
+    def __init__(self, bus: Bus, run_id: str = "tiny", partitions: int = 1):
+        self.bus = bus
+        self.run_id = run_id
+        self.partitions = partitions
+
+    async def publish(self, topic: str, *events: Event, key: bytes | None = None) -> None:
+        """``events`` on ``topic`` (created with the bus's partitions), keyed by ``key`` or
+        each event's own key."""
+        await self.bus.create_topics([topic], self.partitions)
+        await self.bus.publish(topic, [(key or e.key.encode(), encode(e)) for e in events])
+
+    def runner(self, actor: Actor, **options) -> ActorRunner:
+        options = {"run_id": self.run_id, "heartbeat_s": 30, "partitions": self.partitions,
+                   **options}
+        return ActorRunner(actor, self.bus, **options)
+
+    async def run(self, actor: Actor, until: Callable[[], bool], timeout: float = 60,
+                  **options) -> ActorRunner:
+        runner = self.runner(actor, **options)
+        await run_until(runner, until, timeout)
+        return runner
+
+    async def events(self, *topics: str) -> list[Event]:
+        return [e async for _, e in read_events(self.bus, topics, on_bad="raise")]
+
+    async def dead_letters(self) -> list[DeadLetter]:
+        return [e for e in await self.events(DEAD_LETTER) if isinstance(e, DeadLetter)]

@@ -259,6 +259,23 @@ async def test_arbiter_dead_letters_a_segment_outside_the_roots(tmp_path, tiny: 
     assert scored == []  # never passed on to the learner
 
 
+async def test_a_forged_version_dated_in_the_future_is_not_in_force_after_a_later_one(
+        tmp_path, tiny: TinyConfig, scratch_bus):
+    """The version in force on a restart is the last one published, in log order: a
+    forged announcement (trusted producer and file, a timestamp far in the future) is in
+    force only until the learner publishes again, not at every restart after."""
+    cfg = tiny_learner_config(tiny)
+    policy = build_policy(cfg, build_tokenizer(cfg))
+    store = CheckpointStore(str(tmp_path / "checkpoints"))
+    refs = [save_weights(store, policy, v, {"run_id": "tiny"}) for v in range(3)]
+    forged = msgspec.structs.replace(_pv(refs[0]), event_id="forged", version=7,
+                                     ts=time.time() + 10 * 365 * 86400)
+    await scratch_bus.publish(POLICY_VERSION, _pv(refs[0]), _pv(refs[1]), forged, _pv(refs[2]))
+    trusted = StorageRoots.from_config(cfg).trusts
+    in_force = await current_policy_version(scratch_bus.bus, "tiny", trusted)
+    assert in_force is not None and in_force.event_id == _pv(refs[2]).event_id
+
+
 # -- the keeper deletes only files it wrote ----------------------------------------------------
 
 def _eval(version: int, success: float) -> EvalResult:

@@ -37,8 +37,8 @@ async def load_runlog(bus: Bus, *, with_steps: bool = True,
 async def current_policy_version(
     bus: Bus, run_id: str, trusted: Callable[[PolicyVersion], bool] | None = None
 ) -> PolicyVersion | None:
-    """The policy in force in ``run_id``: the last ``policy-version`` it published (a rollback
-    may lower it). Other runs on the same cluster share the topic, so the run id filters.
+    """The policy in force in ``run_id``: the last ``policy-version`` it published (in log
+    order). Other runs on the same cluster share the topic, so the run id filters.
 
     The topic is keyed by one key, so it lives on one partition and log order is
     publication order. Actors call this on start (a rebuild): undecodable records are
@@ -81,11 +81,14 @@ class VersionsInForce(FoldBase):
         self.found.append(event)
 
     def in_force(self) -> list[PolicyVersion]:
-        """The one in force first (the newest publication: a rollback may lower the
-        version), then the ones before it."""
-        found = list(reversed(self.found))  # of two equal keys, the later publication first
-        found.sort(key=lambda e: (e.ts, e.version), reverse=True)  # (sort is stable)
-        return found
+        """The one in force first (the last publication), then the ones before it.
+
+        Publication order is log order: every version is keyed ``policy``, so the topic
+        holds them on one partition, in the order they were published. The sender's
+        timestamp is not used: it is the sender's to write, and a forged announcement
+        dated in the future would otherwise stay "in force" at every restart, whatever the
+        learner published after it."""
+        return list(reversed(self.found))
 
 
 def metrics_rows(log: RunFold) -> list[dict]:

@@ -26,7 +26,6 @@ of the version has ended). Each method is one decision of the learner:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
@@ -59,6 +58,7 @@ from schemas.events import (
     Rollback,
     Scored,
     SegmentDropped,
+    finite_reading,
 )
 
 VersionReason = Literal["init", "update", "rollback"]
@@ -133,11 +133,6 @@ def _mismatch(item: BatchItem) -> str:
         if (arrays["context_len"] < 1).any() or int(ends.max()) > int(arrays["sequence_len"][0]):
             return f"segment {sid}: a step lies outside its sequence"
     return ""
-
-
-def _finite_or(x: float, fallback: float = -1.0) -> float:
-    """Events carry finite floats: an infinite reading is capped, a NaN becomes ``fallback``."""
-    return fallback if math.isnan(x) else max(min(x, 1e300), -1e300)
 
 
 class LearnerCore:
@@ -421,8 +416,8 @@ class LearnerCore:
     def take_critic_resets(self) -> list[Divergence]:
         """Critic resets since the last call, to announce once each (readings made finite:
         a NaN value loss reads -1, an infinite advantage the largest float an event takes)."""
-        return [replace(found, max_abs_advantage=_finite_or(found.max_abs_advantage),
-                        value_loss=_finite_or(found.value_loss))
+        return [replace(found, max_abs_advantage=finite_reading(found.max_abs_advantage),
+                        value_loss=finite_reading(found.value_loss))
                 for found in self.critic.take_resets()]
 
     def critic_reset_events(self, producer: str, skipped: bool) -> list[CriticReset]:

@@ -9,8 +9,9 @@ the runner; ``publish``, ``events`` and ``dead_letters`` put events in and read 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from gyre_async.bus import Bus
 from gyre_async.bus.reading import read_events
@@ -19,13 +20,21 @@ from schemas import Event, encode
 from schemas.events import DeadLetter
 from schemas.topics import DEAD_LETTER
 
+Until = Callable[[], bool] | Callable[[], Awaitable[bool]]
 
-async def run_until(runner: ActorRunner, until: Callable[[], bool], timeout: float = 60) -> None:
-    """Run ``runner`` until ``until()`` holds, it ends on its own, or ``timeout``; then stop
-    it and wait for its end (an actor that crashed raises here)."""
+
+async def _holds(until: Until) -> bool:
+    answer = until()
+    return bool(await answer) if inspect.isawaitable(answer) else bool(answer)
+
+
+async def run_until(runner: ActorRunner, until: Until, timeout: float = 60) -> None:
+    """Run ``runner`` until ``until()`` holds (a plain or an async predicate), it ends on
+    its own, or ``timeout``; then stop it and wait for its end (an actor that crashed
+    raises here)."""
     task = asyncio.create_task(runner.run())
     deadline = time.monotonic() + timeout
-    while not until() and time.monotonic() < deadline and not task.done():
+    while time.monotonic() < deadline and not task.done() and not await _holds(until):
         await asyncio.sleep(0.1)
     runner.stop()
     await task
@@ -48,7 +57,7 @@ class ScratchBus:
                    **options}
         return ActorRunner(actor, self.bus, **options)
 
-    async def run(self, actor: Actor, until: Callable[[], bool], timeout: float = 60,
+    async def run(self, actor: Actor, until: Until, timeout: float = 60,
                   **options) -> ActorRunner:
         runner = self.runner(actor, **options)
         await run_until(runner, until, timeout)

@@ -3,18 +3,15 @@ dropping (and coming back) in the arbiter, through the real embedded bus."""
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import json
 import math
-import time
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gyre_async.rewards.drift import pairwise_accuracy, spearman
 from gyre_async.rewards.prm import LabelledSegment, save_prm, train_prm
-from schemas import decode, encode
 from schemas.config import ArbiterConfig, ProcessRewardConfig
 from schemas.events import DriftReport, Scored
 from schemas.topics import SCORED, SEGMENT_CLOSED, TELEMETRY
@@ -63,11 +60,8 @@ def test_agreement_metrics_match_slow_references(data):
         assert math.isclose(rho, rho_slow, abs_tol=1e-9) and -1 - 1e-9 <= rho <= 1 + 1e-9
 
 
-async def test_a_drifted_model_loses_its_weight_and_regains_it(tmp_path):
+async def test_a_drifted_model_loses_its_weight_and_regains_it(tmp_path, scratch_bus):
     from actors.arbiter import Arbiter
-    from gyre_async.bus import open_bus
-    from gyre_async.bus.reading import read_topics
-    from gyre_async.runtime.actor import ActorRunner
 
     good, bad = workshop_segments(1, 20, 0.0), workshop_segments(2, 20, 0.6)
     labels = [LabelledSegment(tuple(a), 1.0) for a in good] + \
@@ -87,49 +81,42 @@ async def test_a_drifted_model_loses_its_weight_and_regains_it(tmp_path):
         min_agreement=0.75, drifted_weight_factor=0.0))
     segments = iter(seg(a, traj=f"t{i}") for i, a in enumerate(workshop_segments(9, 10, 0.2)))
 
-    async with open_bus(f"sqlite:///{tmp_path}/events.db") as bus:
-        await bus.create_topics([SEGMENT_CLOSED, SCORED, TELEMETRY], 1)
+    bus = scratch_bus
 
-        async def score(k: int) -> tuple[list[DriftReport], list[Scored]]:
-            """Score k more segments with a fresh arbiter (a restart each time)."""
-            batch = [next(segments) for _ in range(k)]
-            before = len(await read_topics(bus, [SCORED]))
-            await bus.publish(SEGMENT_CLOSED, [(s.key.encode(), encode(s)) for s in batch])
-            runner = ActorRunner(Arbiter(config), bus, run_id="r", heartbeat_s=30, partitions=1)
-            task = asyncio.create_task(runner.run())
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline and not task.done():
-                await asyncio.sleep(0.1)
-                if len(await read_topics(bus, [SCORED])) >= before + k:
-                    break
-            runner.stop()
-            await task
-            ids = {s.segment_id for s in batch}
-            scored = [e for e in (decode(SCORED, r.value) for r in await read_topics(bus, [SCORED]))
-                      if isinstance(e, Scored) and e.segment_id in ids]
-            reports = [e for e in (decode(TELEMETRY, r.value)
-                                   for r in await read_topics(bus, [TELEMETRY]))
-                       if isinstance(e, DriftReport)]
-            return sorted(reports, key=lambda r: r.segments_scored), scored
+    async def score(k: int) -> tuple[list[DriftReport], list[Scored]]:
+        """Score k more segments with a fresh arbiter (a restart each time)."""
+        batch = [next(segments) for _ in range(k)]
+        before = len(await bus.events(SCORED))
+        await bus.publish(SEGMENT_CLOSED, *batch)
 
-        save_prm(train_prm(labels), str(path))
-        reports, scored = await score(4)
-        assert [r.segments_scored for r in reports] == [0, 2]
-        assert all(r.pairwise_accuracy >= 0.9 and r.rank_correlation > 0.7 for r in reports)
-        assert all(r.weight == 0.1 and not r.drifted for r in reports)
-        assert [s.components["prm:weight"] for s in scored] == [0.1] * 4
+        async def all_scored() -> bool:
+            return len(await bus.events(SCORED)) >= before + k
 
-        save_prm(train_prm(flipped), str(path))  # the model drifts: trained on flipped labels
-        reports, scored = await score(4)
-        drifted = [r for r in reports if r.segments_scored >= 4]
-        assert [r.segments_scored for r in drifted] == [4, 6]
-        assert all(r.pairwise_accuracy <= 0.25 and r.rank_correlation < 0 for r in drifted)
-        assert all(r.drifted and r.weight == 0.0 for r in drifted)
-        assert [s.components["prm:weight"] for s in scored] == [0.0] * 4
-        assert all(s.components["prm"] == 0.0 for s in scored)
+        await bus.run(Arbiter(config), all_scored, 30, run_id="r")
+        ids = {s.segment_id for s in batch}
+        scored = [e for e in await bus.events(SCORED)
+                  if isinstance(e, Scored) and e.segment_id in ids]
+        reports = [e for e in await bus.events(TELEMETRY) if isinstance(e, DriftReport)]
+        return sorted(reports, key=lambda r: r.segments_scored), scored
 
-        save_prm(train_prm(labels), str(path))  # fixed: agreement recovers, weight returns
-        reports, scored = await score(2)
-        assert reports[-1].segments_scored == 8 and not reports[-1].drifted
-        assert reports[-1].weight == 0.1
-        assert [s.components["prm:weight"] for s in scored] == [0.1] * 2
+    save_prm(train_prm(labels), str(path))
+    reports, scored = await score(4)
+    assert [r.segments_scored for r in reports] == [0, 2]
+    assert all(r.pairwise_accuracy >= 0.9 and r.rank_correlation > 0.7 for r in reports)
+    assert all(r.weight == 0.1 and not r.drifted for r in reports)
+    assert [s.components["prm:weight"] for s in scored] == [0.1] * 4
+
+    save_prm(train_prm(flipped), str(path))  # the model drifts: trained on flipped labels
+    reports, scored = await score(4)
+    drifted = [r for r in reports if r.segments_scored >= 4]
+    assert [r.segments_scored for r in drifted] == [4, 6]
+    assert all(r.pairwise_accuracy <= 0.25 and r.rank_correlation < 0 for r in drifted)
+    assert all(r.drifted and r.weight == 0.0 for r in drifted)
+    assert [s.components["prm:weight"] for s in scored] == [0.0] * 4
+    assert all(s.components["prm"] == 0.0 for s in scored)
+
+    save_prm(train_prm(labels), str(path))  # fixed: agreement recovers, weight returns
+    reports, scored = await score(2)
+    assert reports[-1].segments_scored == 8 and not reports[-1].drifted
+    assert reports[-1].weight == 0.1
+    assert [s.components["prm:weight"] for s in scored] == [0.1] * 2

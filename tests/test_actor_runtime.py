@@ -160,6 +160,7 @@ async def _record_echo_run(url: str, run_id: str, n: int) -> None:
         await run_until(runner, bus, PROBE_OUT, n)
 
 
+@pytest.mark.slow  # an end-to-end run: the full tier (the fast tier stays under 3 minutes)
 def test_tail_and_replay_on_recorded_log(tmp_path):
     db = tmp_path / "events.db"
     url = f"sqlite:///{db}"

@@ -38,6 +38,7 @@ def gyre(*args, timeout=180):
                           timeout=timeout)
 
 
+@pytest.mark.slow  # an end-to-end run: the full tier (the fast tier stays under 3 minutes)
 def test_replay_arbiter_zero_differences_then_exactly_the_tampered_event(finished_run):
     run_dir, cfg = finished_run
     url = f"sqlite:///{run_dir}/events.db"
@@ -71,6 +72,7 @@ def test_replay_arbiter_zero_differences_then_exactly_the_tampered_event(finishe
     conn.close()
 
 
+@pytest.mark.slow  # an end-to-end run: the full tier (the fast tier stays under 3 minutes)
 def test_replay_segmenter_reproduces_segments(finished_run):
     run_dir, cfg = finished_run
     out = gyre("replay", "segmenter", "--bus", f"sqlite:///{run_dir}/events.db",
@@ -145,6 +147,7 @@ def test_archive_from_kafka_then_inspect(finished_run, tmp_path, noida, unique):
     assert sum(archived.values()) == n
 
 
+@pytest.mark.slow  # an end-to-end run: the full tier (the fast tier stays under 3 minutes)
 def test_replay_learner_rederives_every_updates_advantages(finished_run):
     run_dir, cfg = finished_run
     url = f"sqlite:///{run_dir}/events.db"

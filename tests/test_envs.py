@@ -91,6 +91,7 @@ def _bfs_shortest(env: WorkshopEnv) -> int:
     raise AssertionError("no solution found")
 
 
+@pytest.mark.slow  # an end-to-end run: the full tier (the fast tier stays under 3 minutes)
 async def test_oracle_is_exactly_shortest_on_single_orders():
     cfg = WorkshopConfig(n_orders=1, max_count=2, noise_prob=0.0, max_steps=40)
     covered = set()

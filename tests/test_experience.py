@@ -6,6 +6,7 @@ import asyncio
 import random
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -149,6 +150,7 @@ async def publish(bus, topic, event):
     await bus.publish(topic, [(event.key.encode(), encode(event))])
 
 
+@pytest.mark.slow  # an end-to-end run: the full tier (the fast tier stays under 3 minutes)
 def test_retention_keeps_disk_under_bound_and_never_deletes_needed(tmp_path):
     """Rounds of writes far beyond the bound; the learner consumes with a lag of two rounds
     (buffered, unscored), drops some segments, and never trains others."""

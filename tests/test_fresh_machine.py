@@ -51,6 +51,7 @@ def readme_commands(prefix: str) -> list[list[str]]:
 
 # --- a run's config.json is a config -------------------------------------------------------
 
+@pytest.mark.slow  # an end-to-end run: the full tier (the fast tier stays under 3 minutes)
 def test_recorded_config_json_loads_back_to_the_config_the_run_used(readme_run):
     _, run_dir, cfg = readme_run
     assert load_config(run_dir / "config.json") == cfg
@@ -85,6 +86,7 @@ def test_undecodable_json_config_is_named_as_json(tmp_path):
 
 # --- the README's replay examples, as written ----------------------------------------------
 
+@pytest.mark.slow  # an end-to-end run: the full tier (the fast tier stays under 3 minutes)
 def test_readme_replay_examples_run_as_written_with_zero_differences(readme_run):
     home, _, _ = readme_run
     commands = readme_commands("gyre replay ")

@@ -66,6 +66,7 @@ def fresh_modules(tmp_path):
             del sys.modules[name]
 
 
+@pytest.mark.slow  # an end-to-end run: the full tier (the fast tier stays under 3 minutes)
 def test_guide_environment(tmp_path, monkeypatch, fresh_modules):
     ns = run_guide("guide-environment.md", tmp_path, monkeypatch)
     assert ns["summary"]["policy_versions"] >= 3

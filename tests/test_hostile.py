@@ -12,11 +12,13 @@ import json
 import re
 from pathlib import Path
 
+import pytest
 from conftest import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # an end-to-end run: the full tier (the fast tier stays under 3 minutes)
 def test_fast_hostile_rows_are_refused_by_a_live_run(tmp_path):
     """Random bytes, truncated msgpack and NaN steps, a 200,000-step range and an ftp://
     segment address, an ftp:// verdict, a forged policy version and kept checkpoint naming

@@ -12,6 +12,8 @@ import asyncio
 import json
 import os
 
+import pytest
+
 from gyre_async.core.keeper_best import (
     BestVersion,
     final_and_best,
@@ -101,6 +103,7 @@ def test_an_unreadable_pointer_is_ignored_and_replaced(tmp_path):
     assert read_best(str(tmp_path), "r") == best
 
 
+@pytest.mark.slow  # an end-to-end run: the full tier (the fast tier stays under 3 minutes)
 def test_a_real_tiny_run_hands_over_its_best_validated_version(tiny):
     """``gyre run`` on the tiny config, its last update poisoned (1000x the learning rate at
     v4, the final version) so that the run ends below an earlier version: ``best.json``

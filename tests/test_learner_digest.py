@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import random
 
+import pytest
 import torch
 from test_critic import config
 
@@ -94,6 +95,7 @@ def test_replay_recomputes_the_digest_the_learner_published_bit_for_bit(tmp_path
         assert replayed.digest == result.advantage_digest
 
 
+@pytest.mark.slow  # an end-to-end run: the full tier (the fast tier stays under 3 minutes)
 def test_replay_rebuilds_the_elite_segments_an_update_mixed_in(tiny):
     """With the elite pool on, an update's batch holds segments that never came from the
     bus: the update names them (``elite_segments``) and the replay rebuilds them, from the

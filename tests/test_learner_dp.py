@@ -114,6 +114,7 @@ def _rank_main(rank: int, cfg, batches, out_dir: str) -> None:
                 "sgd": sgd, "rows": rows}, f"{out_dir}/rank{rank}.pt")
 
 
+@pytest.mark.slow  # an end-to-end run: the full tier (the fast tier stays under 3 minutes)
 def test_two_gloo_ranks_update_exactly_like_one_learner(tmp_path, monkeypatch):
     cfg = config(tmp_path)
     store = SegmentStore(f"{tmp_path}/segments.zarr", durable=False)

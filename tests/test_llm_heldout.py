@@ -74,6 +74,7 @@ def test_the_choice_is_among_updates_only(heldout):
     assert heldout.choose(rows)["version"] == 4  # success, then score, then the earlier
 
 
+@pytest.mark.slow  # an end-to-end run: the full tier (the fast tier stays under 3 minutes)
 def test_dev_figures_equal_the_runs_own_evaluator(heldout, tmp_path, monkeypatch):
     from gyre_async.bus import open_bus
     from gyre_async.bus.reading import read_events

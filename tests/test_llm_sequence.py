@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from conftest import load_script
 
 
+@pytest.mark.slow  # an end-to-end run: the full tier (the fast tier stays under 3 minutes)
 def test_the_smoke_run_reports_every_figure_of_both_modes(tmp_path, capsys):
     bench = load_script("ops/bench/llm_sequence.py")
     assert bench.main(["--smoke", "--minutes", "1", "--check-episodes", "1",

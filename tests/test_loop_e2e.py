@@ -6,6 +6,7 @@ import asyncio
 from pathlib import Path
 
 import msgspec
+import pytest
 
 from gyre_async.audit.invariants import check_run, read_run
 from gyre_async.bus import open_bus
@@ -43,6 +44,7 @@ def run_invariants(url: str, run_dir: Path, max_staleness: int, run_id: str = "t
     return report.counts
 
 
+@pytest.mark.slow  # an end-to-end run: the full tier (the fast tier stays under 3 minutes)
 def test_gyre_run_small_config_invariants(tmp_path):
     cfg = tiny_config(tmp_path / "run")
     summary = write_run_outputs(cfg, asyncio.run(run_loop(cfg)))
@@ -61,6 +63,7 @@ def test_gyre_run_small_config_invariants(tmp_path):
 # it, with the broker restarted mid-run. Both check the invariants of gyre_async.audit.invariants.
 
 
+@pytest.mark.slow  # an end-to-end run: the full tier (the fast tier stays under 3 minutes)
 def test_sync_mode_trains_on_current_version_only(tmp_path):
     cfg = tiny_config(tmp_path / "run", mode="sync")
     cfg = msgspec.structs.replace(cfg, learner=msgspec.structs.replace(cfg.learner,

@@ -110,6 +110,7 @@ TANSU = pytest.param("tansu", marks=[pytest.mark.kafka, pytest.mark.slow])
 
 
 @pytest.mark.parametrize("backend", ["embedded", TANSU])
+@pytest.mark.slow  # an end-to-end run: the full tier (the fast tier stays under 3 minutes)
 def test_two_samplers_share_the_gate_and_never_collide(backend, tiny, tmp_path, request):
     run_id = f"replicas-{backend}-{tmp_path.name[-12:]}"
     # max_staleness 1 and batches of 256, 8 slots each, segments of 16: one gate for all 16

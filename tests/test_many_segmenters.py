@@ -135,6 +135,7 @@ TANSU = pytest.param("tansu", marks=[pytest.mark.kafka, pytest.mark.slow])
 
 
 @pytest.mark.parametrize("backend", ["embedded", TANSU])
+@pytest.mark.slow  # an end-to-end run: the full tier (the fast tier stays under 3 minutes)
 def test_two_segmenters_and_two_arbiters_hand_partitions_over_without_loss(backend, tiny,
                                                                            tmp_path, request):
     cfg = tiny.config(run={"run_id": f"seg-out-{tmp_path.name[-12:]}"},

@@ -15,6 +15,7 @@ import json
 import random
 
 import gymnasium as gym  # a test dependency: missing it must fail, not skip
+import pytest
 
 from gyre_async.bus import open_bus
 from gyre_async.bus.reading import read_events
@@ -140,6 +141,7 @@ def written_actions(cfg) -> list[str]:
     return asyncio.run(read())
 
 
+@pytest.mark.slow  # an end-to-end run: the full tier (the fast tier stays under 3 minutes)
 def test_own_gym_env_configured_in_toml_learns(tmp_path):
     path = tmp_path / "own.toml"
     path.write_text(CONFIG.replace("{run_dir}", str(tmp_path / "run")))

@@ -198,6 +198,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # an end-to-end run: the full tier (the fast tier stays under 3 minutes)
 def test_report_of_a_real_run_renders_offline(tiny_run, tmp_path):
     out = Path(asyncio.run(build_report(str(tiny_run))))
     assert out == tiny_run / "report.html"

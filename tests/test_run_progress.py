@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from gyre_async.folds.run_fold import RunFold
 from gyre_async.ui.progress import Progress
 
@@ -18,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LINE = re.compile(r"^\[\s*\d+s\] v-?\d+\s+episodes \d+.* steps (\d+)\s", re.M)
 
 
+@pytest.mark.slow  # an end-to-end run: the full tier (the fast tier stays under 3 minutes)
 def test_gyre_run_redirected_to_a_file_prints_progress_lines_while_it_runs(tiny, tmp_path):
     cfg = tiny.write(learner={"max_versions": 6})
     log_path = tmp_path / "run.log"

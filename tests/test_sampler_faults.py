@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
+import pytest
+
 from gyre_async.bus import open_bus
 from gyre_async.bus.reading import read_topics
 from gyre_async.envs import register_env
@@ -45,6 +47,7 @@ class FaultyWorkshop(Env):
 register_env("faulty-workshop", FaultyWorkshop)
 
 
+@pytest.mark.slow  # an end-to-end run: the full tier (the fast tier stays under 3 minutes)
 def test_hung_and_crashing_envs_end_only_their_trajectory(tmp_path, tiny):
     cfg = tiny.config(run={"run_dir": str(tmp_path)}, task={"env": "faulty-workshop"},
                       sampler={"step_timeout_s": 0.3},

@@ -131,6 +131,7 @@ def test_logs_and_metrics_labels_redact_secrets():
 
 # -- secrets: real runs ------------------------------------------------------------------------
 
+@pytest.mark.slow  # an end-to-end run: the full tier (the fast tier stays under 3 minutes)
 def test_gyre_run_leaves_no_secret_in_its_run_directory_and_keeps_config_private(tiny, tmp_path):
     """The run uses the embedded log (``--bus``); its config names a Kafka bus with a
     password, which is what ``config.json`` and the report would have shown."""

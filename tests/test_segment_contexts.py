@@ -398,6 +398,7 @@ def test_a_hugging_face_model_acts_on_cached_prefixes_and_reads_segments_in_one_
 
 # -- the whole loop ----------------------------------------------------------------------------
 
+@pytest.mark.slow  # an end-to-end run: the full tier (the fast tier stays under 3 minutes)
 def test_a_run_with_segment_contexts_passes_its_audits_and_replays_bit_for_bit(tiny):
     """``gyre run``'s loop with segment contexts: the invariants hold (nothing lost, the
     store's segments match their announcements), the store holds sequences, ``gyre replay

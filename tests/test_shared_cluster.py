@@ -42,6 +42,7 @@ def _second_run_on_a_used_bus(url: str, tiny, tmp_path) -> None:
     assert min(stamps) == 0, sorted(stamps)[:5]
 
 
+@pytest.mark.slow  # an end-to-end run: the full tier (the fast tier stays under 3 minutes)
 def test_a_second_run_on_an_embedded_bus_with_a_finished_run(tiny, tmp_path):
     _second_run_on_a_used_bus(f"sqlite:///{tmp_path}/shared.db", tiny, tmp_path)
 

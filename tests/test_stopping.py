@@ -14,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
 from gyre_async.bus import open_bus
 from gyre_async.compose import build_policy, build_tokenizer, save_weights
 from gyre_async.core.sampler import SamplerCore
@@ -81,6 +83,7 @@ class Stubborn(Actor):
                 self.lost -= 1  # as asyncio.wait_for on Python 3.11 loses one
 
 
+@pytest.mark.slow  # an end-to-end run: the full tier (the fast tier stays under 3 minutes)
 async def test_the_runner_stops_an_actor_that_lost_a_cancellation(tmp_path):
     async with open_bus(f"sqlite:///{tmp_path}/events.db") as bus:
         for lost, rounds_needed in ((1, 2), (STOP_ROUNDS + 5, STOP_ROUNDS)):

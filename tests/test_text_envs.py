@@ -147,6 +147,7 @@ def test_demonstration_file_round_trip_and_contexts(tmp_path):
 HELD_OUT = {"seeds": list(range(500, 516)), "env_config": {}}
 
 
+@pytest.mark.slow  # an end-to-end run: the full tier (the fast tier stays under 3 minutes)
 async def test_warm_start_beats_the_initial_policy_on_held_out_seeds(tmp_path):
     cfg = twx_config(tmp_path, evaluator=HELD_OUT)
     tok = build_tokenizer(cfg)

@@ -75,14 +75,14 @@ class Keeper(Actor):
         self.roots = StorageRoots.from_config(cfg)
         self.slots = KeptSlots(self.roots.keeper)
         self.core: KeeperCore | None = None
-        self.history: KeeperHistory | None = KeeperHistory(self.roots.trusts)
+        self.history: KeeperHistory | None = None  # restored on start, applied, dropped
 
     @classmethod
     def from_config(cls, cfg: Config) -> Keeper:
         return cls(cfg)
 
     def folds(self):
-        assert self.history is not None, "the keeper starts once"
+        self.history = KeeperHistory(self.roots.trusts)
         return (self.history,)
 
     async def on_start(self) -> None:

@@ -78,9 +78,8 @@ class Learner(Actor):
         self.checkpoints = CheckpointStore(self.roots.checkpoints)
         self.train_seconds = 0.0
         self.ending = False  # the run is ending (gyre run's drain): no further update
-        # what a restart resumes from, restored by the runner in one read (dropped once used)
-        self.restart: tuple[VersionsInForce, CreditLog, RecentlyTrained] | None = (
-            VersionsInForce(self.roots.trusts), CreditLog(), RecentlyTrained())
+        # what a start resumes from, restored by the runner in one read (dropped once used)
+        self.restart: tuple[VersionsInForce, CreditLog, RecentlyTrained] | None = None
 
     @classmethod
     def from_config(cls, cfg: Config) -> Learner:
@@ -94,7 +93,7 @@ class Learner(Actor):
 
     def folds(self):
         """The versions in force, the credit log and the last batches (not trained again)."""
-        assert self.restart is not None, "the learner starts once"
+        self.restart = (VersionsInForce(self.roots.trusts), CreditLog(), RecentlyTrained())
         return self.restart
 
     async def on_start(self) -> None:

@@ -47,7 +47,7 @@ class Sampler(Actor):
         self.cfg = cfg
         self.core = SamplerCore.from_config(cfg)
         self._outbox: list[Emit] = []
-        self.unfinished = UnfinishedTrajectories()
+        self.unfinished = UnfinishedTrajectories()  # both restored on start (folds)
         self.versions = VersionsInForce(self.core.roots.trusts)
 
     @classmethod
@@ -61,6 +61,8 @@ class Sampler(Actor):
 
     def folds(self):
         """This sampler's earlier steps (its name's, in this run) and the versions in force."""
+        self.unfinished = UnfinishedTrajectories()  # fresh for each start
+        self.versions = VersionsInForce(self.core.roots.trusts)
         return (OwnSteps(self.runner.name, self.unfinished.fold), self.versions)
 
     async def on_start(self) -> None:

@@ -86,6 +86,8 @@ def load_script(relative: str):
     path = ROOT / relative
     spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
+    # registered before it runs, as an import would: a dataclass in it looks its module up
+    sys.modules[path.stem] = module
     spec.loader.exec_module(module)
     return module
 

@@ -44,16 +44,14 @@ class Fold(Protocol):
 
 
 class FoldBase:
-    """Defaults for a fold: every event of its topics, restored once at start."""
+    """Defaults for a fold: every event of its topics, restored once at start (a subclass
+    adds its ``apply``)."""
 
     topics: tuple[str, ...] = ()
     restore_on: tuple[str, ...] = ()
 
     def accepts(self, event: Event) -> bool:
         return True
-
-    def apply(self, event: Event) -> None:  # pragma: no cover - every fold overrides it
-        raise NotImplementedError
 
 
 async def restore(bus: Bus, folds: Sequence[Fold], *, run_id: str | None,

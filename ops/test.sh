@@ -11,5 +11,8 @@ cd "$(dirname "$0")/.."
 bash ops/install.sh --test
 bash ops/install_chromium.sh
 bash ops/install_kcat.sh
+# Two pytest workers (pytest-xdist; GYRE_TEST_WORKERS=0 runs in one process): most tests wait
+# on brokers, subprocesses and sockets, so two share the two cores of the CI machine well.
 VENV="${GYRE_VENV:-.venv}"
-exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=15 "$@"
+exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=15 \
+  -n "${GYRE_TEST_WORKERS:-2}" "$@"

@@ -66,33 +66,69 @@ def _dropped(segment: str, reason: str = "stale", steps: int = 0, consumed: int 
                           steps=steps, consumed_steps=consumed)
 
 
+def _core(max_staleness: int, batch: int, slots: int, longest: int, version: int = 5):
+    cfg = SimpleNamespace(
+        run=SimpleNamespace(mode="async"), loop=SimpleNamespace(max_staleness=max_staleness),
+        learner=SimpleNamespace(batch_steps=batch),
+        sampler=SimpleNamespace(replicas=1, replica=0, num_envs=slots),
+        segmenter=SimpleNamespace(max_segment_steps=longest))
+    return SamplerCore(cfg, SimpleNamespace(version=version), builder=None)
+
+
 def test_a_drop_reopens_the_gate_at_once():
     """Quickstart-sized gate (max_staleness 2, batches 1024, H = 32 * 32): a slot waiting to
     open a segment is let through as soon as a drop announces the learner's consumed count,
     not at the next version (which a learner short of a batch would never publish)."""
-    cfg = SimpleNamespace(
-        run=SimpleNamespace(mode="async"), loop=SimpleNamespace(max_staleness=2),
-        learner=SimpleNamespace(batch_steps=1024),
-        sampler=SimpleNamespace(replicas=1, replica=0, num_envs=32),
-        segmenter=SimpleNamespace(max_segment_steps=32))
-    core = SamplerCore(cfg, SimpleNamespace(version=5), builder=None)
+    core = _core(2, 1024, 32, 32)
     core.learner_version, core.learner_consumed = 5, 5_200
-    # opens below base + lead = max(5 * 1024, 5,200) + 2,048 = 7,248; the cap is 9,296
-    core.steps_emitted = 7_248
+    # nothing open: a segment opens while fewer than base + reach = max(5 * 1024, 5,200) +
+    # 3 * 1024 = 8,272 steps are out, so it can arrive within the bound; the cap is 9,296
+    core.steps_emitted = 8_272
 
     async def go() -> None:
-        await core._admit(opens_segment=False)  # a step of an open segment: under the cap
-        assert core.steps_emitted == 7_249
-        waiting = asyncio.create_task(core._admit(opens_segment=True))
+        await core._admit("t0", opens_segment=False)  # inside a rebuilt segment: the cap
+        assert core.steps_emitted == 8_273
+        waiting = asyncio.create_task(core._admit("t1", opens_segment=True))
         await asyncio.sleep(0.01)
         assert not waiting.done() and core.at_gate == 1
         await core.follow_drop(_dropped("s1", consumed=5_190))  # older news: nothing moves
         await asyncio.sleep(0.01)
         assert not waiting.done() and core.learner_consumed == 5_200
-        # 24 steps dropped: consumed 5,224 -> opens below 7,272: 7,249 may open
+        # 24 steps dropped: consumed 5,224 -> base + reach 8,296: 8,273 out, it may open
         await core.follow_drop(_dropped("s2", steps=24, consumed=5_224))
         await asyncio.wait_for(waiting, 1.0)
-        assert core.steps_emitted == 7_250 and core.at_gate == 0
+        assert core.steps_emitted == 8_274 and core.at_gate == 0
+
+    asyncio.run(go())
+
+
+def test_a_slot_waits_while_its_step_would_age_an_older_open_segment_past_the_bound():
+    """max_staleness 1, batches of 8, segments of up to 4 steps: a segment opened at
+    version 5 arrives within the bound if fewer than (1 + 1) * 8 = 16 steps reach the learner
+    ahead of it. A younger segment's slot waits once its next step could be one of them;
+    the older segment's own slot goes on, and its closing lets the younger one go."""
+    core = _core(1, 8, 2, 4)
+    core.learner_version, core.learner_consumed = 5, 40  # base = 40
+
+    async def go() -> None:
+        await core._admit("a", opens_segment=True)  # a opens at 0 steps out
+        await core._admit("b", opens_segment=True)  # b opens beside it
+        core.steps_emitted = 54  # 13 steps of segments that closed since, still not consumed
+        # outside a (1 step): 53 out, room 40 + 16 - 53 - 1 = 2: b may take two more steps
+        await core._admit("b", opens_segment=False)
+        await core._admit("b", opens_segment=False)
+        held = asyncio.create_task(core._admit("b", opens_segment=False))
+        await asyncio.sleep(0.01)
+        assert not held.done() and core.at_gate == 1  # one more could put a past the bound
+        opener = asyncio.create_task(core._admit("c", opens_segment=True))
+        await asyncio.sleep(0.01)
+        assert not opener.done()  # nor may a new segment open beside a
+        await core._admit("a", opens_segment=False)  # the oldest goes on
+        assert not held.done()
+        await core._segment_closed("a")  # a closed: nothing older to protect
+        await asyncio.wait_for(held, 1.0)
+        assert core.steps_emitted == 58 and core.at_gate == 1
+        opener.cancel()
 
     asyncio.run(go())
 

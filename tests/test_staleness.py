@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from gyre_async.rl.staleness import StalenessGate
+from gyre_async.rl.staleness import OpenSegment, StalenessGate
 
 
 def test_capacity_and_may_sample_with_staleness_2():
@@ -120,82 +120,102 @@ def test_rejects_zero_replicas():
 
 # -- pacing: a segment opens only while it can reach the learner within the bound -------------
 
+def _opens(gate: StalenessGate, n: int, v: int, c: int, s: int,
+           open_remaining: tuple[int, ...] = ()) -> bool:
+    """May a segment open (made by version ``s``) beside open segments that may still take
+    ``open_remaining`` steps each?"""
+    segments = [OpenSegment(s, 1, left, order) for order, left in enumerate(open_remaining)]
+    return gate.may_step(n, v, c, s, None, segments)
+
+
 def test_pacing_with_the_quickstart_numbers():
     """ops/configs/quickstart.toml: max_staleness 2, batches of 1024, 32 slots, segments of
-    up to 32 steps, so H = 32 * 32 = 1024 steps can be emitted while one segment is open."""
+    up to 32 steps (the hard cap's H = 32 * 32)."""
     gate = StalenessGate(max_staleness=2, steps_per_version=1024, in_flight=32 * 32)
-    # lead(v, s = v) = max((2 + 1 - 0) * 1024 - 1024, 1024 + 1024) = max(2048, 2048) = 2048
-    assert gate.lead(0, 0) == 2048
-    # learner at v0, nothing consumed: a segment may open at n = 0..2047, not at n = 2048.
-    assert gate.may_open_segment(2047, 0, 0, 0)
-    assert not gate.may_open_segment(2048, 0, 0, 0)
-    # Why 2047 is safe: before it reaches the learner, the learner adds at most the 2047
-    # steps emitted before it plus H = 1024 emitted while it is open: 3071 < 3 * 1024, so
-    # at most 3071 // 1024 = 2 versions pass: staleness 2, within the bound.
-    assert (2047 + 1024) // 1024 == 2
-    # A step of a segment already open only needs the cap: base + 3 * 1024 + 1024 = 4096.
+    # a segment made by the learner's own version arrives within the bound if fewer than
+    # reach = (2 + 1) * 1024 = 3,072 steps reach the learner ahead of it
+    assert gate.reach(0, 0) == 3072
+    # nothing open, learner at v0, nothing consumed: it may open at n = 0..3,071
+    assert _opens(gate, 3071, 0, 0, 0) and not _opens(gate, 3072, 0, 0, 0)
+    # 31 segments open that may take 16 more steps each (496 in all, which may close before
+    # the new one): it opens only while 3,071 - n >= 496, n <= 2,575
+    assert _opens(gate, 2575, 0, 0, 0, (16,) * 31) and not _opens(gate, 2576, 0, 0, 0, (16,) * 31)
+    # A step of a segment already open needs the cap: base + 3 * 1024 + 1024 = 4096.
     assert gate.capacity(0) == 4096
-    assert gate.may_sample(2048, 0) and gate.may_sample(4095, 0) and not gate.may_sample(4096, 0)
+    assert gate.may_sample(4095, 0) and not gate.may_sample(4096, 0)
     # learner at v7, consumed 7,500 (trained + dropped; > 7 * 1024 = 7,168): base 7,500,
-    # segments open up to 7,500 + 2,048 = 9,548 (n = 9,547 yes, 9,548 no)
-    assert gate.open_share(7, 7_500, 7) == 9_548
-    assert gate.may_open_segment(9_547, 7, 7_500, 7)
-    assert not gate.may_open_segment(9_548, 7, 7_500, 7)
-    # a sampler still acting with v6 (one version spent already): (3 - 1) * 1024 - 1024 =
-    # 1024 is below the floor 1024 + 1024 = 2048, so the floor decides: 9,548 again (it
-    # keeps the learner fed; this segment may then be dropped, visibly)
-    assert gate.lead(7, 6) == 2048
+    # segments open below 7,500 + 3,072 = 10,572
+    assert _opens(gate, 10_571, 7, 7_500, 7) and not _opens(gate, 10_572, 7, 7_500, 7)
+    # a sampler still acting with v6 (one version spent already): reach 2 * 1024
+    assert gate.reach(7, 6) == 2048 and not _opens(gate, 9_548, 7, 7_500, 6)
 
 
-def test_pacing_with_the_chaos_numbers():
-    """ops/configs/tiny.toml (ops/chaos.py): max_staleness 2, batches of 256, 8 slots,
-    segments of up to 16 steps: H = 128."""
+def test_room_counts_only_the_steps_outside_the_segment():
+    """chaos numbers (max_staleness 2, batches of 256): an open segment of 10 steps made by
+    v4, learner at v4 having consumed 1,100: 1,100 + 768 - (1,500 - 10) - 1 = 377 more steps
+    may reach the learner before it; made by v3, 256 fewer; by v1, it is beyond saving."""
     gate = StalenessGate(max_staleness=2, steps_per_version=256, in_flight=8 * 16)
-    # lead = max(3 * 256 - 128, 256 + 128) = max(640, 384) = 640
-    assert gate.lead(4, 4) == 640
-    # v4, consumed 1,100: base max(4 * 256, 1,100) = 1,100; opens up to 1,740 (n < 1,740)
-    assert gate.open_share(4, 1_100, 4) == 1_740
-    # the cap for open segments: 1,100 + 3 * 256 + 128 = 1,996
-    assert gate.share(4, 1_100) == 1_996
-    # one version behind: (3 - 1) * 256 - 128 = 384 = the floor 384
-    assert gate.lead(4, 3) == 384
+    assert gate.room(1_500, 4, 1_100, OpenSegment(4, 10, 6, 0)) == 377
+    assert gate.room(1_500, 4, 1_100, OpenSegment(3, 10, 6, 0)) == 121
+    assert gate.room(1_500, 4, 1_100, OpenSegment(1, 10, 6, 0)) < 0
 
 
-def test_the_floor_keeps_the_learner_fed():
-    """max_staleness 0 in async mode, batches of 256, H = 128: (0 + 1) * 256 - 128 = 128
-    would leave the learner short of a batch once every open segment closed; the floor
-    256 + 128 = 384 leaves at least a batch (and H to spare) in closed segments."""
+def test_older_segments_go_first_and_a_lost_one_holds_nobody_back():
+    """Three open segments (orders 0, 1, 2), max_staleness 0, batches of 100: a step of a
+    younger slot may take only what an older segment's room leaves after the steps the
+    segments older than it may still take (its reserve); older slots' steps are in that
+    reserve already, so they go on."""
+    gate = StalenessGate(max_staleness=0, steps_per_version=100)
+    # reach(0, 0) = 100; steps out n = 95
+    oldest = OpenSegment(0, 5, 3, 0)     # room 100 - 90 - 1 = 9
+    middle = OpenSegment(0, 2, 6, 1)     # room 100 - 93 - 1 = 6; reserve 3 (oldest) -> 3
+    youngest = OpenSegment(0, 1, 7, 2)   # room 100 - 94 - 1 = 5; reserve 9 -> -4
+    segments = [oldest, middle, youngest]
+    # the youngest's step eats the middle one's free room (room 6 - reserve 3 >= 1): allowed
+    assert gate.may_step(95, 0, 0, 0, youngest, segments)
+    # 3 more steps out elsewhere: the middle one's room 3 is all reserve: the youngest waits
+    assert not gate.may_step(98, 0, 0, 0, youngest, segments)
+    # ... while the oldest and the middle one go on (their steps are in the reserves)
+    assert gate.may_step(98, 0, 0, 0, oldest, segments)
+    assert gate.may_step(98, 0, 0, 0, middle, segments)
+    # a segment beyond saving (made by a version the learner is past) holds nobody back
+    lost = OpenSegment(-1, 1, 7, 0)
+    assert gate.may_step(98, 0, 0, 0, youngest, [lost, youngest])
+
+
+def test_the_loop_stays_live():
+    """max_staleness 0 in async mode, batches of 256: with nothing open, a segment may open
+    while fewer than 256 steps are out; so when every slot waits to open one, at least a
+    batch sits in closed segments and the learner can publish its next version."""
     gate = StalenessGate(max_staleness=0, steps_per_version=256, in_flight=128)
-    assert gate.lead(0, 0) == 384
-    assert gate.may_open_segment(383, 0, 0, 0) and not gate.may_open_segment(384, 0, 0, 0)
+    assert _opens(gate, 255, 0, 0, 0) and not _opens(gate, 256, 0, 0, 0)
 
 
 def test_pacing_shares_between_replicas():
-    """2 samplers of 8 slots, segments of 16 (H = 128 each), batches of 256, max_staleness 2."""
+    """2 samplers, batches of 256, max_staleness 2: each opens below (base + reach) // 2."""
     gate = StalenessGate(max_staleness=2, steps_per_version=256, in_flight=128, replicas=2)
-    # lead = max(3 * 256 - 2 * 128, 256 + 2 * 128) = max(512, 512) = 512; each opens below
-    # 512 // 2 = 256
-    assert gate.lead(0, 0) == 512 and gate.open_share(0, 0, 0) == 256
-    # consumed 1,001: (1,001 + 512) // 2 = 756 (756.5 rounded down): both together stay
-    # at or below 1,512, the single-sampler bound
-    assert gate.open_share(3, 1_001, 3) == 756
+    assert _opens(gate, 383, 0, 0, 0) and not _opens(gate, 384, 0, 0, 0)
+    # consumed 1,001: (1,001 + 768) // 2 = 884: both together stay below 1,769
+    assert _opens(gate, 883, 3, 1_001, 3) and not _opens(gate, 884, 3, 1_001, 3)
 
 
 @pytest.mark.parametrize("max_staleness,batch,slots,seg", [
     (0, 1, 1, 1), (2, 1024, 32, 32), (2, 256, 8, 16), (1, 100, 10, 20), (5, 64, 4, 8)])
 def test_segments_open_inside_the_cap(max_staleness, batch, slots, seg):
-    """An open segment never waits for the cap while new ones may still open."""
+    """Wherever a segment may open, every step is under the cap."""
     for replicas in (1, 3):
         gate = StalenessGate(max_staleness, batch, slots * seg, replicas)
         for v, c, s in [(0, 0, 0), (5, 4_000, 5), (5, 4_000, 5 - max_staleness)]:
-            assert gate.open_share(v, c, s) <= gate.share(v, c)
+            for n in range(0, 12_000, 7):
+                if _opens(gate, n, v, c, s):
+                    assert gate.may_sample(n, v, c)
 
 
 def simulate(gate: StalenessGate, *, slots: int, segment_steps: int, lag_ticks: int,
              train_ticks: int, ticks: int, paced: bool = True, seed: int = 0) -> dict:
     """The loop in lockstep ticks, slow and plain: each tick every slot takes one step if
-    the gate admits it (a step that opens a segment under ``may_open_segment`` when
-    ``paced``, else every step under ``may_sample`` alone, the rule before pacing);
+    the gate admits it (when ``paced``: ``may_step`` over the slots' open segments, as the
+    sampler has it; else ``may_sample`` alone, the rule before pacing);
     segments close at ``segment_steps`` or at the episode's end (20..60 steps) and reach
     the learner ``lag_ticks`` later (segmenter + arbiter); the learner refuses a segment
     whose first step is more than max_staleness versions old, and an update of a batch
@@ -205,6 +225,7 @@ def simulate(gate: StalenessGate, *, slots: int, segment_steps: int, lag_ticks: 
     n = version = consumed = 0
     open_len = [0] * slots  # steps in each slot's open segment
     first = [0] * slots  # version of its first step
+    order = [0] * slots  # when it opened (ties between equally urgent segments)
     left = [rng.randint(20, 60) for _ in range(slots)]  # steps left in each episode
     arriving: list[tuple[int, int, int]] = []  # (tick, steps, first version)
     buffered = batch = dropped = 0
@@ -212,15 +233,17 @@ def simulate(gate: StalenessGate, *, slots: int, segment_steps: int, lag_ticks: 
     for t in range(ticks):
         for i in range(slots):
             opens = open_len[i] == 0
-            if opens and paced:
-                admitted = gate.may_open_segment(n, version, consumed, version)
-            else:
-                admitted = gate.may_sample(n, version, consumed)
+            admitted = gate.may_sample(n, version, consumed)
+            if paced and admitted:
+                segments = {j: OpenSegment(first[j], open_len[j], segment_steps - open_len[j],
+                                           order[j]) for j in range(slots) if open_len[j]}
+                admitted = gate.may_step(n, version, consumed, version, segments.get(i),
+                                         list(segments.values()))
             if not admitted:
                 continue
             n += 1
             if opens:
-                first[i] = version
+                first[i], order[i] = version, n
             open_len[i] += 1
             left[i] -= 1
             if open_len[i] == segment_steps or left[i] == 0:
@@ -261,3 +284,25 @@ def test_paced_segments_arrive_within_the_bound_without_slowing_the_learner(lag_
     if train_ticks >= 40:  # the learner is the bottleneck: without pacing, work is wasted
         assert unpaced["dropped"] > 0.1 * unpaced["sampled"]
         assert paced["sampled"] < unpaced["sampled"]
+
+
+@pytest.mark.parametrize("segment_steps", [8, 20, 64])
+@pytest.mark.parametrize("train_ticks", [80, 200])
+def test_an_llm_shaped_loop_keeps_what_it_samples(segment_steps, train_ticks):
+    """An LLM run's numbers: 8 slots, batches of only 32 steps, max_staleness 2, segments
+    as long as an episode (8-64 steps), and an update that takes minutes while a round of
+    acting takes seconds (80-200 rounds). A segment then outlives several versions of a
+    learner that keeps up, and the estimate H = 8 * segment_steps exceeds the whole reach
+    (3 * 32), so pacing by H alone let a third to three quarters of the work be dropped
+    (Run F's rerun: 44% of its segments). Paced by the open segments' own room, nothing is
+    dropped and the learner makes as many versions. (With a learner as fast as the sampler
+    and 64-step segments, the reserve for open segments' worst case holds slots back: the
+    paced learner then makes about two thirds of the versions, all on fresh work.)"""
+    gate = StalenessGate(max_staleness=2, steps_per_version=32, in_flight=8 * segment_steps)
+    setting = dict(slots=8, segment_steps=segment_steps, lag_ticks=5, train_ticks=train_ticks,
+                   ticks=3000)
+    paced = simulate(gate, **setting)
+    unpaced = simulate(gate, **setting, paced=False)
+    assert paced["dropped"] == 0
+    assert paced["versions"] >= unpaced["versions"] - 1
+    assert unpaced["dropped"] > 0.25 * unpaced["sampled"]

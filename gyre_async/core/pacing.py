@@ -1,9 +1,9 @@
 """Where the segmenter will cut a trajectory, as the sampler sees it while acting.
 
-The staleness gate paces the *opening* of segments (``StalenessGate.may_open_segment`` in
-``gyre_async.rl.staleness``): a segment is as old as its first step, so whether it will
-reach the learner within the bound is decided when that step is taken. The sampler must
-therefore know whether its next step opens a segment, and, with segment contexts
+The staleness gate paces steps by the sampler's open segments (``StalenessGate.may_step``
+in ``gyre_async.rl.staleness``): a segment is as old as its first step, and it stays open
+until its last. The sampler must therefore know whether its next step opens a segment and
+whether it closes one, and, with segment contexts
 (``policy.context = "segment"``), close each context exactly where its segment closes.
 It does not keep a rule of its own for either: :class:`SegmentCursor` counts the open
 segment's steps and asks the segmenter's rule

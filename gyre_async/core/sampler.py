@@ -5,12 +5,13 @@ Each environment slot runs episodes back to back; all slots share one batched po
 stamped with the policy version that chose the action. Bounded staleness (see
 ``gyre_async.rl.staleness``):
 
-- the learner's consumption paces sampling: a step that *opens* a segment is admitted only
-  while that segment can reach the learner within the bound (``StalenessGate.
-  may_open_segment``; each episode's :class:`~gyre_async.core.pacing.SegmentCursor` tells
-  where segments open, by the segmenter's own rule), a step of an open segment under the
-  looser cap (``StalenessGate.may_sample``),
-  each replica within its share when several samplers run. The learner's consumed count
+- the learner's consumption paces sampling (``StalenessGate.may_step``): a step is
+  admitted only while every open segment of this sampler can still reach the learner
+  within the bound, older segments first, and a step that *opens* a segment only while the
+  new one can too (each episode's :class:`~gyre_async.core.pacing.SegmentCursor` tells
+  where segments open and close, by the segmenter's own rule); every step stays under the
+  hard cap (``StalenessGate.may_sample``), each replica within its share when several
+  samplers run. The learner's consumed count
   comes with every ``policy-version`` and every ``segment-dropped`` (:meth:`SamplerCore.
   follow_drop`), so dropped work reopens the gate at once;
 - the sampler pauses while its loaded policy is more than max_staleness versions behind.
@@ -78,7 +79,7 @@ from gyre_async.envs.faults import with_faults
 from gyre_async.envs.macros import step_fields, with_macros
 from gyre_async.errors import ConfigError
 from gyre_async.policy.context import ContextBuilder
-from gyre_async.rl.staleness import StalenessGate
+from gyre_async.rl.staleness import OpenSegment, StalenessGate
 from gyre_async.storage.roots import StorageRoots
 from schemas import Event, event_id
 from schemas.config import Config
@@ -138,6 +139,8 @@ class SamplerCore:
         self.rebuild_seconds: list[float] = []  # reset + replay, per rebuilt episode
         self._open: deque[OpenEpisode] = deque()
         self.at_gate = 0  # slots waiting at the staleness gate right now
+        self._segments: dict[str, OpenSegment] = {}  # trajectory id -> its open segment
+        self._segments_opened = 0
         self.incarnation = uuid.uuid4().hex[:8]  # trajectory ids never repeat across restarts
         self._seed_span = SEED_SPAN // self.replicas
         self._seed_base = int(event_id(self.incarnation)[:8], 16) % self._seed_span
@@ -193,34 +196,52 @@ class SamplerCore:
         k = (self._seed_base + group) % self._seed_span
         return self.cfg.task.train_seed_start + self.replicas * k + self.replica
 
-    def _admissible(self, opens_segment: bool) -> bool:
+    def _admissible(self, tid: str, opens_segment: bool) -> bool:
         version, learner = self.holder.version, self.learner_version
         if version < 0 or self.gate.sampler_must_pause(version, learner):
             return False
-        if opens_segment:
-            return self.gate.may_open_segment(self.steps_emitted, learner,
-                                              self.learner_consumed, version)
-        return self.gate.may_sample(self.steps_emitted, learner, self.learner_consumed)
+        if not self.gate.may_sample(self.steps_emitted, learner, self.learner_consumed):
+            return False
+        own = self._segments.get(tid)
+        if not opens_segment and own is None:
+            return True  # a rebuilt episode inside a segment its predecessor opened
+        return self.gate.may_step(self.steps_emitted, learner, self.learner_consumed, version,
+                                  None if opens_segment else own,
+                                  list(self._segments.values()))
 
-    async def _admit(self, opens_segment: bool = True) -> None:
-        """Wait until the staleness gate admits one more step (``opens_segment``: the
-        first of a segment, paced so that the segment reaches the learner within the bound),
-        or raise :class:`_Stopped` when the sampler stops first: a stop never waits on the
-        learner, nor on a cancellation to reach the slot."""
+    async def _admit(self, tid: str, opens_segment: bool = True) -> None:
+        """Wait until the staleness gate admits one more step of trajectory ``tid``
+        (``opens_segment``: the first of a segment), or raise :class:`_Stopped` when the
+        sampler stops first: a stop never waits on the learner, nor on a cancellation to
+        reach the slot."""
         loop = asyncio.get_running_loop()
         started = loop.time()
         async with self._version_seen:
-            if not self._admissible(opens_segment):
+            if not self._admissible(tid, opens_segment):
                 self.at_gate += 1
                 try:
                     await self._version_seen.wait_for(
-                        lambda: self._admissible(opens_segment) or self._stopped())
+                        lambda: self._admissible(tid, opens_segment) or self._stopped())
                 finally:
                     self.at_gate -= 1
-                if not self._admissible(opens_segment):
+                if not self._admissible(tid, opens_segment):
                     raise _Stopped
         self.steps_emitted += 1
         self.paused_s += loop.time() - started
+        longest = self.cfg.segmenter.max_segment_steps
+        if opens_segment:
+            self._segments_opened += 1
+            self._segments[tid] = OpenSegment(self.holder.version, 1, longest - 1,
+                                              self._segments_opened)
+        elif (own := self._segments.get(tid)) is not None:
+            self._segments[tid] = OpenSegment(own.first_version, own.length + 1,
+                                              max(longest - own.length - 1, 0), own.order)
+
+    async def _segment_closed(self, tid: str) -> None:
+        """A segment of ``tid`` closed (or its episode ended): slots held back for it may go."""
+        if self._segments.pop(tid, None) is not None:
+            async with self._version_seen:
+                self._version_seen.notify_all()
 
     async def _count(self) -> None:
         self.steps_emitted += 1
@@ -356,11 +377,13 @@ class SamplerCore:
         opens = [opens_segment]  # does the next step open a segment (the segmenter's rule)
 
         async def admit() -> None:
-            await self._admit(opens[0])
+            await self._admit(tid, opens[0])
 
         async def on_step(record: StepRecord) -> None:
             opens[0] = record.boundary is not None
             shared.publish(step_event(cfg.run.run_id, shared.producer, tid, task_id, record))
+            if opens[0]:
+                await self._segment_closed(tid)
 
         shared.batcher.active += 1
         try:
@@ -368,6 +391,7 @@ class SamplerCore:
                                  self._count if cfg.run.mode == "sync" else admit)
         finally:
             shared.batcher.active -= 1
+            await self._segment_closed(tid)
             if self.builder.segments:
                 self.holder.policy.forget_session(tid)  # its cached keys/values, if any
         if summary.failure is not None:

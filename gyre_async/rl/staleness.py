@@ -12,45 +12,54 @@ rule is ``base(v, c) = max(v * B, c)`` (``v * B``: events from before ``consumed
 existed); counting versions only, dropped steps were lost to the gate and the sampler
 stopped at its cap while the learner waited for a batch that could no longer fill.
 
-Pacing: a segment must arrive within the bound. Say a segment's first step is emitted as
-the run's ``n``-th step, stamped with version ``s``, while the learner is at version ``v``
-(``s <= v``) having consumed ``c``. Before the segment reaches the learner, the learner adds
-at most ``A`` steps of other segments: those emitted before it and not yet consumed
-(``n - c``), plus what the other slots emit while it is open and close before it does.
-An open segment lasts at most ``max_segment_steps`` of its slot's steps, during which the
-slots, acting in one batch, each emit about as many: ``in_flight = num_envs *
-max_segment_steps`` per sampler (``H``) bounds that second part. So ``A <= n - c + H``, the
-learner is at most ``A // B`` versions past ``v`` when it arrives, and the segment is
-within the bound if ``v - s + A // B <= max_staleness``, which holds when
-``n - c + H < (max_staleness + 1 - (v - s)) * B``. A segment may therefore only *open*
-while the steps emitted stay under ``base + lead``; the steps of a segment already open
-only need the looser ``capacity`` (stopping them mid-segment would only age it)::
+Pacing: a segment must arrive within the bound. Say a segment's first step was made by
+version ``s`` while the learner is at version ``v`` (``s <= v``) having consumed ``c``.
+The learner publishes a version per ``B`` steps it consumes, so the segment is within the
+bound if fewer than ``reach(v, s) = (max_staleness + 1 - (v - s)) * B`` steps reach the
+learner ahead of it. Ahead of it are the steps emitted outside it and not yet consumed,
+and what the slots emit while it is open and close before it does. The sampler knows its
+open segments (:class:`OpenSegment`: first version, length, the steps it may still take,
+``max_segment_steps`` minus its length, and the order it opened in), so it keeps every one
+of them fresh, the older first::
 
-    lead(v, s)               =   max((max_staleness + 1 - (v - s)) * B - H,  B + H)
-    may_open_segment(n, v, c, s)  <=>  n < base(v, c) + lead(v, s)
+    reach(v, s)              =   (max_staleness + 1 - (v - s)) * B
+    room(n, v, c, seg)       =   base(v, c) + reach(v, s_seg) - (n - len_seg) - 1
+    reserve(seg)             =   sum of remaining steps of the open segments older than seg
+    may_step(own)            <=>  for every open seg younger than own (all of them when
+                                  own opens a new segment), room(seg) - reserve(seg) >= 1,
+                                  or room(seg) < 0 (beyond saving: it holds nobody back);
+                                  and a new segment opens only if room(new) >= the
+                                  remaining steps of every open segment
     capacity(v, c)           =   base(v, c) + (max_staleness + 1) * B + H
-    may_sample(n, v, c)      <=>  n < capacity(v, c)      (a step of an open segment)
+    may_sample(n, v, c)      <=>  n < capacity(v, c)      (the hard cap on every step)
     is_stale(s, v)           <=>  v - s > max_staleness   (sample made by version s)
     sampler_must_pause(s, v) <=>  v - s > max_staleness   (sampler acting with version s)
 
-The floor ``B + H`` keeps the loop live: when every slot waits to open a segment, nothing
-is open, so ``n - c >= B`` steps sit in closed segments and the learner can make its next
-version (``B`` alone would leave no room for rounding or a withheld segment). Where the
-floor decides (``max_staleness * B < 2 * H``, e.g. ``max_staleness = 0`` in async mode),
-pacing cannot promise the bound and some segments are still dropped. ``capacity`` is at
-least ``base + lead`` (so an open segment never waits for it while new ones may open) and
-stays the hard cap on everything one sampler has emitted.
+Why it holds: a segment's free room, ``room - reserve``, shrinks only by steps of younger
+slots (each checked to leave it >= 0); steps of older segments are in its reserve (room and
+reserve shrink together), and the learner's progress leaves room unchanged (``B`` more
+consumed, one version more). So a segment that opens with ``room >= reserve`` arrives within
+the bound, whatever the learner's speed. The oldest open segment has nothing older to wait
+for: some slot always acts, and with nothing open a segment may open while fewer than
+``reach >= B`` steps are out, so when every slot waits, at least a batch sits in closed
+segments and the learner can make its next version (the loop stays live). ``H = num_envs *
+max_segment_steps`` (``in_flight``) now only sizes the hard cap. Before this rule, pacing
+reserved a fixed ``H`` when a segment opened and nothing afterwards; in an LLM-shaped loop
+(8 slots, segments of 20 steps, batches of 32, ``max_staleness`` 2, a learner slower than
+the sampler) ``H`` exceeds the whole reach and about half of what was sampled was dropped
+(tests/test_staleness.py simulates both). The price: the reserve counts each open
+segment's worst case, so with segments much longer than a batch and a learner as fast as
+the sampler, fewer slots act at once.
 
 Many samplers (``replicas`` processes, each with its own ``H`` of open segments): each
 counts only the steps *it* emitted (counting the others' would need a live read of every
 sampler's output), so each takes a fixed share, ``H`` counts once per replica, and
 ``sum_i n_i <= replicas * share <= total``::
 
-    lead(v, s)               =   max((max_staleness + 1 - (v - s)) * B - replicas * H,
-                                     B + replicas * H)
-    open_share(v, c, s)      =   (base(v, c) + lead(v, s)) // replicas
+    room(n_i, .., seg)       =   (base(v, c) + reach(v, s_seg)) // replicas
+                                     - (n_i - len_seg) - 1
     share(v, c)              =   capacity(v, c) // replicas,  capacity with replicas * H
-    may_open_segment(n_i, ..) <=> n_i < open_share;  may_sample(n_i, ..) <=> n_i < share
+    may_sample(n_i, ..)      <=>  n_i < share
 
 With ``replicas = 1`` the share is the whole. The price of a fixed share: a replica that
 is slower than the others, or down, leaves its share unused, and the others wait at theirs
@@ -59,18 +68,34 @@ stays down for good stalls the rest once the learner has consumed the headroom. 
 exactly ``replicas`` sampler processes (``gyre launch --replicas sampler=N`` does; the
 launcher restarts a dead one).
 
-``H`` is an estimate, not a bound: a slot whose environment is much slower than the others'
-keeps its segment open longer. The bound itself stays hard: the learner drops what is too
-old (``is_stale``), and the audit checks that nothing beyond it was trained. Known limit:
-a segment the arbiter withholds (``reward-failed``) is never trained nor dropped, so its
-steps never count as consumed; the floor's ``H`` of slack absorbs a few.
+Pacing is exact only for what the sampler knows; the bound itself stays hard either way:
+the learner drops what is too old (``is_stale``), and the audit checks that nothing beyond
+it was trained. Known limit: a segment the arbiter withholds (``reward-failed``) is never
+trained nor dropped, so its steps never count as consumed; they stay ahead of every later
+segment in the sampler's count, and more than ``max_staleness * B`` of them would leave the
+learner short of a batch while the sampler waits for room.
 ``max_staleness = 0`` is synchronous on-policy RL when ``run.mode = "sync"``. The class is
 pure (no clocks, no I/O), so the sampler and learner share one rule.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+_NEWEST = 1 << 62  # the order of a segment about to open: after every open one
+
+
+@dataclass(frozen=True)
+class OpenSegment:
+    """One of this sampler's open segments, as pacing sees it: the version of its first
+    step, its steps so far, how many more it may take at most (``max_segment_steps`` minus
+    its length), and the order it opened in (older segments go first)."""
+
+    first_version: int
+    length: int
+    remaining: int
+    order: int
 
 
 @dataclass(frozen=True)
@@ -112,24 +137,43 @@ class StalenessGate:
         ``steps_emitted < share(v, c)`` (``steps_emitted``: this sampler's own count)."""
         return steps_emitted < self.share(learner_version, consumed)
 
-    def lead(self, learner_version: int, sampler_version: int) -> int:
-        """How far past ``base`` all samplers together may be when a segment opens, for
-        that segment to reach the learner within the bound."""
-        in_flight = self.replicas * self.in_flight
+    def reach(self, learner_version: int, sampler_version: int) -> int:
+        """Steps the learner may consume ahead of a segment whose first step was made by
+        ``sampler_version``, for the segment to arrive within the bound (0 or less: it is
+        stale already)."""
         versions_left = self.max_staleness + 1 - (learner_version - sampler_version)
-        return max(versions_left * self.steps_per_version - in_flight,
-                   self.steps_per_version + in_flight)
+        return versions_left * self.steps_per_version
 
-    def open_share(self, learner_version: int, consumed: int, sampler_version: int) -> int:
-        """Steps one sampler may have emitted when it opens a segment."""
-        return (self.base(learner_version, consumed)
-                + self.lead(learner_version, sampler_version)) // self.replicas
+    def room(self, steps_emitted: int, learner_version: int, consumed: int,
+             segment: OpenSegment) -> int:
+        """Steps this sampler may still emit outside an open ``segment`` before the segment
+        could no longer reach the learner within the bound (below 0: it cannot already;
+        the learner will drop it, whatever the sampler does)."""
+        limit = (self.base(learner_version, consumed)
+                 + self.reach(learner_version, segment.first_version)) // self.replicas
+        return limit - (steps_emitted - segment.length) - 1
 
-    def may_open_segment(self, steps_emitted: int, learner_version: int, consumed: int,
-                         sampler_version: int) -> bool:
-        """True iff this sampler may emit the first step of a new segment, acting with
-        ``sampler_version``: ``steps_emitted < open_share(v, c, s)``."""
-        return steps_emitted < self.open_share(learner_version, consumed, sampler_version)
+    def may_step(self, steps_emitted: int, learner_version: int, consumed: int,
+                 sampler_version: int, own: OpenSegment | None,
+                 open_segments: Sequence[OpenSegment]) -> bool:
+        """True iff a slot may take one more step: in its open segment ``own``, or opening
+        a new one (``own`` is None) with ``sampler_version``. ``open_segments``: all of
+        this sampler's open segments (``own`` among them). See the module docstring."""
+        if own is None:
+            new = OpenSegment(sampler_version, 0, 0, order=_NEWEST)
+            if self.room(steps_emitted, learner_version, consumed, new) < sum(
+                    seg.remaining for seg in open_segments):
+                return False
+        for seg in open_segments:
+            if seg is own or (own is not None and own.order < seg.order):
+                continue  # own is older: its steps are counted in seg's reserve
+            room = self.room(steps_emitted, learner_version, consumed, seg)
+            if room < 0:
+                continue  # beyond saving: it holds nobody back
+            reserve = sum(o.remaining for o in open_segments if o.order < seg.order)
+            if room - reserve < 1:
+                return False
+        return True
 
     def is_stale(self, sample_version: int, learner_version: int) -> bool:
         """True iff a sample made by ``sample_version`` is too old to train on now."""

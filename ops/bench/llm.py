@@ -101,6 +101,42 @@ def peak_rss_mb() -> float:
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
 
 
+#: ``--long-task``: CookingWorld with 4 rooms, 3 ingredients and doors (median gold path 24
+#: steps on 48 dev games, coin-7's 7: tests/test_long_task.py; each point of the game's score a milestone the
+#: simulator proves), a 64-step cap (2.7x the gold path), segment contexts of up to 2,048
+#: tokens, held-out figures on 96 test games: the headline configuration of
+#: docs/training.md. Flags given explicitly still win.
+LONG_TASK = {"env": "twx", "twx_game": "cookingworld",
+             "twx_params": "numLocations=4,numIngredients=3,numDistractorItems=0,"
+                           "includeDoors=1,limitInventorySize=0",
+             "max_steps": 64, "context": "segment", "context_tokens": 2048,
+             "warmstart_demos": 0, "test_episodes": 96, "select_every": 8,
+             "select_episodes": 32, "eval_episodes": 16, "eval_every": 1000}
+
+
+def apply_long_task(p: argparse.ArgumentParser, args: argparse.Namespace,
+                    argv: list[str]) -> None:
+    """``--long-task`` sets :data:`LONG_TASK` on every flag the command line left alone."""
+    if not args.long_task:
+        return
+    given = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
+    for key, value in LONG_TASK.items():
+        if "--" + key.replace("_", "-") not in given:
+            setattr(args, key, value)
+
+
+def credit_overrides(args: argparse.Namespace) -> dict:
+    """``--credit outcome``: the GRPO-style baseline (each step's advantage is its
+    trajectory's group-relative outcome; no milestone pay, no segment cuts at milestones,
+    no segment GAE), run in sync mode as outcome credit needs (ops/bench/credit.py's
+    ``outcome_only``); ``fusion``: Gyre's own credit (the defaults)."""
+    if args.credit == "fusion":
+        return {}
+    return {"run": {"mode": "sync"}, "learner": {"credit": "outcome"},
+            "arbiter": {"milestone_reward": 0.0},
+            "segmenter": {"close_on_milestone": False}}
+
+
 def bench_config(args: argparse.Namespace) -> Config:
     common = {"max_steps": args.max_steps, "admissible": args.admissible}
     if args.env == "twx":  # TextWorldExpress: train fold for training, dev fold for validation
@@ -110,7 +146,7 @@ def bench_config(args: argparse.Namespace) -> Config:
         train = {**common, "recipe": args.recipe, "take": args.take, "go": args.go,
                  "games": args.train_games}
         valid = {"split": "valid", "games": args.eval_episodes}
-    return make_config(
+    cfg = make_config(
         run={"run_id": "bench-llm", "run_dir": os.path.join(args.out, "run"), "seed": args.seed,
              "mode": "async"},
         task={"env": args.env, "env_config": train},
@@ -120,8 +156,8 @@ def bench_config(args: argparse.Namespace) -> Config:
                 "max_action_tokens": args.max_action_tokens,
                 "lora": {"rank": args.lora_rank, "alpha": 2.0 * args.lora_rank},
                 "vllm_lora": args.vllm_lora},
-        sampler={"num_envs": args.num_envs, "temperature": args.temperature, "group_size": 1,
-                 "step_timeout_s": 300.0},
+        sampler={"num_envs": args.num_envs, "temperature": args.temperature,
+                 "group_size": args.group_size, "step_timeout_s": 300.0},
         segmenter={"max_segment_steps": args.max_steps,
                    "cap_ends_episode": args.cap == "terminal"},
         learner={"batch_steps": args.batch_steps, "minibatch_steps": args.minibatch_steps,
@@ -133,6 +169,7 @@ def bench_config(args: argparse.Namespace) -> Config:
                    "env_config": valid},
         loop={"max_wall_s": args.minutes * 60, "max_staleness": 2},
     )
+    return make_config(cfg, **credit_overrides(args))
 
 
 async def validation(cfg: Config, policy) -> dict:
@@ -387,7 +424,7 @@ def prepare_games(args: argparse.Namespace) -> None:
 #: the settings (a) depends on: the same ones give the same validation episodes and decoding
 BASE_KEYS = ("recipe", "take", "go", "max_steps", "admissible", "eval_episodes", "decoding",
              "temperature", "context_tokens", "history_turns", "max_action_tokens",
-             "eval_engine")
+             "eval_engine", "context")
 
 
 def base_model(cfg: Config, args: argparse.Namespace) -> dict:
@@ -504,6 +541,16 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--minutes", type=float, default=75.0,
                    help="wall clock of (b) warm-start plus (c) online RL (<= 75)")
     p.add_argument("--base-only", action="store_true", help="measure the base model only")
+    p.add_argument("--long-task", action="store_true",
+                   help="the long task's headline settings (CookingWorld, 4 rooms, 3 "
+                        "ingredients, doors: median gold path 24 steps; 64-step cap; segment "
+                        "contexts; 96 held-out test games); flags given explicitly win")
+    p.add_argument("--credit", default="fusion", choices=["fusion", "outcome"],
+                   help="Gyre's credit (milestones, segment GAE, outcome fusion), or the "
+                        "outcome-only GRPO-style baseline (sync mode, no milestone pay)")
+    p.add_argument("--group-size", type=int, default=1,
+                   help="episodes per task (GRPO group: the outcome advantage compares a "
+                        "trajectory with its group)")
     p.add_argument("--compare", action="store_true", help=argparse.SUPPRESS)  # child process
     p.add_argument("--report", action="store_true",
                    help="do not run: report the finished run in <out>/run again (the same "
@@ -729,6 +776,10 @@ def result_of(args: argparse.Namespace, base: dict, run: Run, loop: InLoop, cmp:
         "evals": [{**e, "reason": loop.reasons.get(e["version"])} for e in summary["evals"]],
         "not_counted": loop.restored,
         "env_steps": summary["env_steps"], "policy_versions": summary["policy_versions"],
+        # env steps the learner dropped as stale over those sampled (the run's summary;
+        # None for a run whose summary predates the figure, reported again by --report)
+        "stale_dropped_fraction": summary.get("stale_dropped_fraction"),
+        "credit": args.credit,
         "online_seconds": round(run.online_s, 1),
         "learner_tokens_per_s": cmp["learner_tokens_per_s"],
         "raw_learner_tokens_per_s": cmp["raw_learner_tokens_per_s"],
@@ -760,6 +811,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     p = parser()
     args = p.parse_args(argv)
+    apply_long_task(p, args, argv)
     with_bounded_arenas(argv)
     if args.minutes > 75:
         p.error("--minutes: the issue's budget is at most 75 minutes (warm-start + online RL)")

@@ -260,7 +260,7 @@ def measure(args: argparse.Namespace, mode: str) -> dict:
         "logprob_max_abs_diff": check["acting_vs_learner"],
         "one_pass_vs_apart_max_abs_diff": check.get("one_pass_vs_apart"),
         "peak_rss_mb": round(memory_kb()[0] / 1024, 1),
-        "stale_dropped_fraction": summary.get("stale_dropped_fraction") or 0.0,
+        "stale_dropped_fraction": summary["stale_dropped_fraction"],
         "env_steps": summary["env_steps"], "stored_steps": stored_steps,
         "policy_versions": summary["policy_versions"], "loop_s": round(loop_s, 1),
         # the check episodes' own figures (the same policy version in both modes)

@@ -6,20 +6,19 @@ actor on the real embedded bus.
 
 from __future__ import annotations
 
-import asyncio
 import math
-import time
 
 import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from scratch import run_until
 
 from gyre_async.rewards.arbitration import Arbitration
 from gyre_async.rewards.guards import NEW_TRAJECTORY, FarmState, farming_verdict
 from gyre_async.rewards.plugins import RuleConfigError
 from gyre_async.rewards.prm import LabelledSegment, save_prm, train_prm
-from schemas import encode, event_id
+from schemas import event_id
 from schemas.config import ArbiterConfig, GuardConfig, ProcessRewardConfig, RuleSpec
 from schemas.events import Milestone, RewardFailed, Scored, SegmentClosed
 
@@ -204,53 +203,40 @@ def test_failed_components_are_reported_never_zero(tmp_path):
     assert v.scored is None and "not a readable safetensors" in v.failed[0].reason
 
 
-async def test_reward_failed_through_the_embedded_bus(tmp_path):
+async def test_reward_failed_through_the_embedded_bus(tmp_path, scratch_bus):
     from actors.arbiter import Arbiter
-    from gyre_async.bus import open_bus
-    from gyre_async.bus.reading import read_topics
-    from gyre_async.runtime.actor import ActorRunner
-    from schemas import decode
     from schemas.topics import SCORED, SEGMENT_CLOSED
 
     prm_path = tmp_path / "prm.safetensors"
     config = cfg(prm=ProcessRewardConfig(path=str(prm_path), weight=0.1))
     first = [seg(WORK, start=0, milestones=[proven()], steps=[4], traj="a"),
              seg(["wait"], start=0, done=True, traj="b")]
-    async with open_bus(f"sqlite:///{tmp_path}/events.db") as bus:
-        await bus.create_topics([SEGMENT_CLOSED, SCORED], 2)
+    scratch_bus.partitions = 2  # its topics and runner: the two trajectories apart
 
-        async def run_batch(segments, expect):
-            await bus.publish(SEGMENT_CLOSED, [(s.key.encode(), encode(s)) for s in segments])
-            runner = ActorRunner(Arbiter(config), bus, run_id="r", heartbeat_s=30, partitions=2)
-            task = asyncio.create_task(runner.run())
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline and not task.done():
-                await asyncio.sleep(0.1)
-                if len(await read_topics(bus, [SCORED])) >= expect:
-                    break
-            runner.stop()
-            await task
-            return [decode(SCORED, r.value) for r in await read_topics(bus, [SCORED])]
+    async def run_batch(segments, expect):
+        await scratch_bus.publish(SEGMENT_CLOSED, *segments)
 
-        events = await run_batch(first, 2)  # no weights file yet: both withheld
-        assert all(isinstance(e, RewardFailed) for e in events), events
-        assert {(e.segment_id, e.component) for e in events} == {("a-0", "prm"), ("b-0", "prm")}
-        assert all("not found" in e.reason for e in events)
-        assert [e.trajectory_done for e in sorted(events, key=lambda e: e.segment_id)] == \
-            [False, True]
-        save_prm(train_prm([LabelledSegment(tuple(WORK), 1.0)], epochs=20), str(prm_path))
-        events = await run_batch([seg(WORK, start=5, traj="a")], 3)
+        async def all_scored() -> bool:
+            return len(await scratch_bus.events(SCORED)) >= expect
+
+        await scratch_bus.run(Arbiter(config), all_scored, 30, run_id="r")
+        return await scratch_bus.events(SCORED)
+
+    events = await run_batch(first, 2)  # no weights file yet: both withheld
+    assert all(isinstance(e, RewardFailed) for e in events), events
+    assert {(e.segment_id, e.component) for e in events} == {("a-0", "prm"), ("b-0", "prm")}
+    assert all("not found" in e.reason for e in events)
+    assert [e.trajectory_done for e in sorted(events, key=lambda e: e.segment_id)] == \
+        [False, True]
+    save_prm(train_prm([LabelledSegment(tuple(WORK), 1.0)], epochs=20), str(prm_path))
+    events = await run_batch([seg(WORK, start=5, traj="a")], 3)
     scored = [e for e in events if isinstance(e, Scored)]
     assert len(scored) == 1 and scored[0].segment_id == "a-5"
     assert scored[0].components["prm"] != 0.0 and scored[0].decided_by == "prm"
 
 
-async def test_a_trajectory_caught_farming_stays_caught_across_a_restart(tmp_path):
+async def test_a_trajectory_caught_farming_stays_caught_across_a_restart(scratch_bus):
     from actors.arbiter import Arbiter
-    from gyre_async.bus import open_bus
-    from gyre_async.bus.reading import read_topics
-    from gyre_async.runtime.actor import ActorRunner
-    from schemas import decode
     from schemas.topics import SCORED, SEGMENT_CLOSED
 
     config = cfg(rules=FEEDBACK_RULE, guards=GuardConfig(farm_repeat=3))
@@ -260,30 +246,19 @@ async def test_a_trajectory_caught_farming_stays_caught_across_a_restart(tmp_pat
     once = [seg(["sweep floor", "chop tree"], start=4, feedback=[.01, 0], traj=t)
             for t in ("f", "clean")]
     clean_first = seg(["chop tree"], feedback=[0.0], traj="clean")
-    async with open_bus(f"sqlite:///{tmp_path}/events.db") as bus:
-        await bus.create_topics([SEGMENT_CLOSED, SCORED], 1)
-        for batch, expect in (([farmed, clean_first], 2), (once, 4)):  # a restart between
-            await bus.publish(SEGMENT_CLOSED, [(s.key.encode(), encode(s)) for s in batch])
-            runner = ActorRunner(Arbiter(config), bus, run_id="r", heartbeat_s=30, partitions=1)
-            task = asyncio.create_task(runner.run())
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline and len(await read_topics(bus, [SCORED])) < expect:
-                await asyncio.sleep(0.1)
-            runner.stop()
-            await task
-        scored = {e.segment_id: e for e in (decode(SCORED, r.value)
-                                            for r in await read_topics(bus, [SCORED]))}
-        # every input redelivered (a fresh consumer group): all already in our log, so
-        # nothing is scored again (with the trajectory state gone, milestones would re-pay)
-        runner = ActorRunner(Arbiter(config), bus, run_id="r", heartbeat_s=30, partitions=1,
-                             group="redelivery")
-        task = asyncio.create_task(runner.run())
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and runner.processed < 4:
-            await asyncio.sleep(0.1)
-        runner.stop()
-        await task
-        assert runner.processed == 4 and len(await read_topics(bus, [SCORED])) == 4
+    for batch, expect in (([farmed, clean_first], 2), (once, 4)):  # a restart between
+        await scratch_bus.publish(SEGMENT_CLOSED, *batch)
+
+        async def all_scored(expect=expect) -> bool:
+            return len(await scratch_bus.events(SCORED)) >= expect
+
+        await scratch_bus.run(Arbiter(config), all_scored, 30, run_id="r")
+    scored = {e.segment_id: e for e in await scratch_bus.events(SCORED)}
+    # every input redelivered (a fresh consumer group): all already in our log, so
+    # nothing is scored again (with the trajectory state gone, milestones would re-pay)
+    runner = scratch_bus.runner(Arbiter(config), run_id="r", group="redelivery")
+    await run_until(runner, lambda: runner.processed >= 4, 30)
+    assert runner.processed == 4 and len(await scratch_bus.events(SCORED)) == 4
     first = scored["f-0"]
     assert first.components["guard:farming"] == 1.0
     # vetoed: feedback withheld everywhere, the no-progress pay charged back

@@ -6,27 +6,23 @@ real segment store, ``scored`` events in, ``policy-version`` and ``critic-reset`
 
 from __future__ import annotations
 
-import asyncio
 import math
 import random
-import time
 
 import pytest
 import torch
+from scratch import wait_until
 
 from actors.learner import Learner
-from gyre_async.bus import open_bus
-from gyre_async.bus.reading import read_topics
 from gyre_async.compose import build_policy
 from gyre_async.core.segmenter import ClosedSegment, segment_arrays
 from gyre_async.policy.base import SamplingParams
 from gyre_async.rl.critic import DivergenceDetector, complete_returns, value_prior
-from gyre_async.runtime.actor import ActorRunner
 from gyre_async.storage.segments import SegmentStore
-from schemas import decode, encode, event_id
+from schemas import event_id
 from schemas.config import Config, LearnerConfig, PolicySection, RunSection
 from schemas.events import CriticReset, Scored, TrajectoryStep
-from schemas.topics import ALL_TOPICS, POLICY_VERSION, SCORED, TELEMETRY
+from schemas.topics import POLICY_VERSION, SCORED, TELEMETRY
 
 
 def test_value_prior_and_complete_returns_hand_worked():
@@ -125,38 +121,29 @@ def make_batch(cfg: Config, policy, store: SegmentStore, batch: int,
     return out
 
 
-async def drive_learner(cfg: Config, spikes: dict[int, float], batches: int):
-    url = f"sqlite:///{cfg.run.run_dir}/events.db"
+async def drive_learner(scratch_bus, cfg: Config, spikes: dict[int, float], batches: int):
     store = SegmentStore(f"{cfg.run.run_dir}/segments.zarr", durable=False)
     behaviour = build_policy(cfg)  # acts the synthetic segments (any fixed policy will do)
-    async with open_bus(url) as bus:
-        await bus.create_topics(ALL_TOPICS, 1)
-        runner = ActorRunner(Learner(cfg), bus, run_id="spike", name="learner", partitions=1)
-        task = asyncio.create_task(runner.run())
-        try:
-            for b in range(1, batches + 1):
-                scored = make_batch(cfg, behaviour, store, b, spikes.get(b, 0.0))
-                await bus.publish(SCORED, [(s.key.encode(), encode(s)) for s in scored])
-                deadline = time.monotonic() + 60
-                while time.monotonic() < deadline and not task.done():
-                    versions = [decode(POLICY_VERSION, r.value)
-                                for r in await read_topics(bus, [POLICY_VERSION])]
-                    if len(versions) > b:  # v0 (init) + one update per batch
-                        break
-                    await asyncio.sleep(0.05)
-                assert len(versions) == b + 1, "the learner did not train on the batch"
-        finally:
-            runner.stop()
-            await task
-        resets = [e for r in await read_topics(bus, [TELEMETRY])
-                  if isinstance(e := decode(TELEMETRY, r.value), CriticReset)]
+    versions: list = []
+    async with scratch_bus.running(Learner(cfg), run_id="spike", name="learner") as runner:
+        for b in range(1, batches + 1):
+            scored = make_batch(cfg, behaviour, store, b, spikes.get(b, 0.0))
+            await scratch_bus.publish(SCORED, *scored)
+
+            async def trained(b=b) -> bool:
+                versions[:] = await scratch_bus.events(POLICY_VERSION)
+                return len(versions) > b  # v0 (init) + one update per batch
+
+            await wait_until(trained, 60, runner)
+            assert len(versions) == b + 1, "the learner did not train on the batch"
+    resets = [e for e in await scratch_bus.events(TELEMETRY) if isinstance(e, CriticReset)]
     return versions, resets
 
 
-def test_reward_spike_resets_the_critic_and_training_recovers(tmp_path):
+async def test_reward_spike_resets_the_critic_and_training_recovers(tmp_path, scratch_bus):
     cfg = config(tmp_path)
     spike_batch, batches = 3, 6
-    versions, resets = asyncio.run(drive_learner(cfg, {spike_batch: 1e4}, batches))
+    versions, resets = await drive_learner(scratch_bus, cfg, {spike_batch: 1e4}, batches)
     by_version = {v.version: v for v in versions}
     # Exactly one reset, announced, for the spiked batch, which was not trained on.
     assert [(r.version, r.reason, r.skipped_update) for r in resets] == [

@@ -20,6 +20,7 @@ import time
 
 import msgspec
 import pytest
+from scratch import ScratchBus, run_until
 from test_bad_inputs import store_segment, tiny_learner_config
 
 from actors.arbiter import Arbiter
@@ -130,21 +131,14 @@ async def test_a_segment_claiming_200000_steps_is_dead_lettered_and_the_arbiter_
         assert len(await events_of(bus, SCORED, unique)) == 3
 
 
-async def test_a_segment_longer_than_the_runs_segments_is_dead_lettered(tmp_path):
+async def test_a_segment_longer_than_the_runs_segments_is_dead_lettered(scratch_bus):
     """Within the schema's bound but longer than this run's segmenter ever closes."""
-    async with open_bus(f"sqlite:///{tmp_path}/events.db") as bus:
-        await bus.create_topics([SEGMENT_CLOSED], 1)
-        await bus.publish(SEGMENT_CLOSED, [(b"k", encode(segment("r", "x", 0, 500))),
-                                           (b"k", encode(segment("r", "y", 0, 5)))])
-        runner = ActorRunner(Arbiter(ArbiterConfig(), max_segment_steps=32), bus, run_id="r",
-                             heartbeat_s=30, partitions=1)
-
-        async def not_done() -> bool:
-            return runner.processed + runner.dead_letters < 2
-
-        assert await run_while(runner, not_done) is None
-        dead = await events_of(bus, DEAD_LETTER, "r")
-        scored = await events_of(bus, SCORED, "r")
+    await scratch_bus.publish(SEGMENT_CLOSED, segment("r", "x", 0, 500), segment("r", "y", 0, 5),
+                              key=b"k")
+    runner = scratch_bus.runner(Arbiter(ArbiterConfig(), max_segment_steps=32), run_id="r")
+    await run_until(runner, lambda: runner.processed + runner.dead_letters >= 2)
+    dead = await scratch_bus.dead_letters()
+    scored = await scratch_bus.events(SCORED)
     assert [e.segment_id for e in scored] == ["y-0"]
     assert len(dead) == 1 and "max_segment_steps (32)" in dead[0].reason, dead[0].reason
 
@@ -297,7 +291,7 @@ async def test_a_64_step_segment_of_longest_actions_is_split_to_fit_and_scored(t
 
 
 async def test_a_segment_that_cannot_be_written_is_dead_lettered_and_the_rest_announced(
-        tmp_path):
+        tmp_path, scratch_bus):
     """The segment id of trajectory t already holds other content in the store: the
     batched write fails for good. That segment is dead-lettered (its first step, with the
     reason); the other one of the batch is written and announced; the offsets commit."""
@@ -313,27 +307,23 @@ async def test_a_segment_that_cannot_be_written_is_dead_lettered_and_the_rest_an
     taken = ClosedSegment("t", tuple(theirs), "trajectory-end", True)
     store.write(segment_id_of("r", ClosedSegment("t", tuple(mine), "trajectory-end", True)),
                 segment_arrays(taken))
-    async with open_bus(f"sqlite:///{tmp_path}/events.db") as bus:
-        await bus.create_topics([TRAJECTORY_STEP, SEGMENT_CLOSED], 1)
-        await bus.publish(TRAJECTORY_STEP, [(s.key.encode(), encode(s))
-                                            for s in (*mine, *steps_of("u", 7))])
-        segmenter = Segmenter(SegmenterConfig(write_delay_s=0.0),
-                              str(tmp_path / "segments.zarr"), "r")
-        runner = ActorRunner(segmenter, bus, run_id="r", heartbeat_s=30, partitions=1)
+    await scratch_bus.publish(TRAJECTORY_STEP, *mine, *steps_of("u", 7))
+    segmenter = Segmenter(SegmenterConfig(write_delay_s=0.0), str(tmp_path / "segments.zarr"), "r")
+    runner = scratch_bus.runner(segmenter, run_id="r")
 
-        async def not_done() -> bool:
-            return await bus.lag(runner.group, [TRAJECTORY_STEP]) > 0
+    async def done() -> bool:
+        return await scratch_bus.bus.lag(runner.group, [TRAJECTORY_STEP]) == 0
 
-        assert await run_while(runner, not_done) is None
-        closed = await events_of(bus, SEGMENT_CLOSED, "r")
-        dead = await events_of(bus, DEAD_LETTER, "r")
+    await run_until(runner, done)
+    closed = await scratch_bus.events(SEGMENT_CLOSED)
+    dead = await scratch_bus.dead_letters()
     assert [c.trajectory_id for c in closed] == ["u"]
     assert len(dead) == 1 and decode(TRAJECTORY_STEP, dead[0].original) == mine[0]
     assert "trajectory 't' not written" in dead[0].reason and "SegmentConflict" in dead[0].reason
 
 
 async def test_a_buffered_segment_that_fails_later_is_dead_lettered_once_and_batches_train(
-        tmp_path, tiny):
+        tmp_path, tiny, scratch_bus):
     """A verdict whose step range does not match its stored arrays (6 claimed, 4 stored)
     fails only when the learner assembles a batch. It is refused alone (a dead letter and
     a ``segment-dropped``), leaves the buffer, and the next batches train."""
@@ -342,21 +332,17 @@ async def test_a_buffered_segment_that_fails_later_is_dead_lettered_once_and_bat
     a, b, c, d = (store_segment(store, t) for t in ("traj-a", "traj-b", "traj-c", "traj-d"))
     bent = msgspec.structs.replace(store_segment(store, "traj-m"), step_end=6,
                                    step_rewards=[0.5] * 6, total=3.0)
-    async with open_bus(f"sqlite:///{tmp_path}/events.db") as bus:
-        await bus.create_topics([SCORED], 1)
-        await bus.publish(SCORED, [(s.key.encode(), encode(s)) for s in (a, bent, b, c, d)])
-        learner = Learner(cfg)
-        runner = ActorRunner(learner, bus, run_id="tiny", heartbeat_s=30, partitions=1)
+    await scratch_bus.publish(SCORED, a, bent, b, c, d)
+    learner = Learner(cfg)
+    runner = scratch_bus.runner(learner)
 
-        async def not_done() -> bool:
-            return learner.core.version < 2 or await bus.lag(runner.group, [SCORED]) > 0
+    async def done() -> bool:
+        return learner.core.version >= 2 and await scratch_bus.bus.lag(runner.group, [SCORED]) == 0
 
-        assert await run_while(runner, not_done, timeout=120) is None
-        dead = await events_of(bus, DEAD_LETTER, "tiny")
-        dropped = [e for e in await events_of(bus, TELEMETRY, "tiny")
-                   if isinstance(e, SegmentDropped)]
-        versions = [e for e in await events_of(bus, POLICY_VERSION, "tiny")
-                    if isinstance(e, PolicyVersion)]
+    await run_until(runner, done, timeout=120)
+    dead = await scratch_bus.dead_letters()
+    dropped = [e for e in await scratch_bus.events(TELEMETRY) if isinstance(e, SegmentDropped)]
+    versions = [e for e in await scratch_bus.events(POLICY_VERSION) if isinstance(e, PolicyVersion)]
     assert len(dead) == 1 and dead[0].source_offset == 1, [x.reason for x in dead]
     assert "arrays do not match" in dead[0].reason and bent.segment_id in dead[0].reason
     assert decode(SCORED, dead[0].original) == bent
@@ -386,13 +372,8 @@ async def test_read_back_treats_an_oversized_record_as_a_bad_record(tmp_path):
         with pytest.raises(UndecodableRecord, match="oversized"):
             async for _ in read_events(bus, [PROBE_IN], on_bad="raise"):
                 pass
-        # the live consumer refuses it the same way
-        runner = ActorRunner(EchoActor(EchoConfig()), bus, run_id="r", heartbeat_s=30,
-                             partitions=1)
-
-        async def not_done() -> bool:
-            return runner.processed + runner.dead_letters < 2
-
-        assert await run_while(runner, not_done) is None
+        # the live consumer refuses it the same way (a scratch runner on this bus: its limit)
+        runner = ScratchBus(bus, run_id="r").runner(EchoActor(EchoConfig()))
+        await run_until(runner, lambda: runner.processed + runner.dead_letters >= 2)
         assert runner.dead_letters == 1 and runner.processed == 1
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import time
 from pathlib import Path
 
 import pytest
@@ -13,10 +12,9 @@ import torch
 from conftest import TinyConfig
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from scratch import wait_until
 
 from actors.sampler import Sampler
-from gyre_async.bus import open_bus
-from gyre_async.bus.reading import read_events
 from gyre_async.compose import build_policy, build_tokenizer, save_weights
 from gyre_async.core.exploration import PerturbedPolicyHolder, sampling_params_at
 from gyre_async.core.probes import probe_contexts
@@ -24,11 +22,10 @@ from gyre_async.policy.base import SamplingParams
 from gyre_async.policy.torch_policy import _behaviour_logp
 from gyre_async.rl.exploration import AdaptiveParamNoise, anneal
 from gyre_async.rl.policy_distance import mean_kl, relative_param_change
-from gyre_async.runtime.actor import ActorRunner
 from gyre_async.storage.checkpoints import CheckpointStore
-from schemas import encode, event_id
+from schemas import event_id
 from schemas.events import PolicyVersion, TrajectoryStep
-from schemas.topics import ALL_TOPICS, POLICY_VERSION, TRAJECTORY_STEP
+from schemas.topics import POLICY_VERSION, TRAJECTORY_STEP
 
 
 def exploring(tiny: TinyConfig, num_envs: int = 8, **exploration):
@@ -190,10 +187,6 @@ def test_perturbed_actions_carry_the_perturbed_policys_logprobs(tmp_path, tiny):
 
 # -- the sampler, through the bus -------------------------------------------------------------
 
-async def _publish(bus, topic, *events):
-    await bus.publish_and_commit([(topic, [(e.key.encode(), encode(e)) for e in events])])
-
-
 def _pv(ref, version) -> PolicyVersion:
     return PolicyVersion(event_id=event_id("pv", version), run_id="tiny", producer="learner",
                          key="policy", version=version, checkpoint=ref.address,
@@ -201,7 +194,7 @@ def _pv(ref, version) -> PolicyVersion:
                          reason="update" if version else "init")
 
 
-def test_sampler_records_logprobs_of_the_annealed_distribution(tmp_path, tiny):
+async def test_sampler_records_logprobs_of_the_annealed_distribution(tmp_path, tiny, scratch_bus):
     """Steps of v0 are drawn at the start temperature, steps of v10 at the end one (with
     top-p): each recorded first-token log-prob equals the policy's at that version's
     scheduled temperature and top-p, recomputed here from the checkpoint. (Every step,
@@ -210,35 +203,25 @@ def test_sampler_records_logprobs_of_the_annealed_distribution(tmp_path, tiny):
     ref0, policy0 = _checkpoint(cfg, tmp_path, 0, seed=1)
     ref10, policy10 = _checkpoint(cfg, tmp_path, 10, seed=2)
 
-    async def run():
-        async with open_bus(f"sqlite:///{tmp_path}/events.db") as bus:
-            await bus.create_topics(ALL_TOPICS, 2)
-            await _publish(bus, POLICY_VERSION, _pv(ref0, 0))
-            runner = ActorRunner(Sampler(cfg), bus, run_id="tiny", name="sampler", partitions=2)
-            task = asyncio.create_task(runner.run())
+    scratch_bus.partitions = 2  # its topics and runner
+    await scratch_bus.publish(POLICY_VERSION, _pv(ref0, 0))
+    async with scratch_bus.running(Sampler(cfg), name="sampler") as runner:
 
-            async def steps_of(version: int) -> list[TrajectoryStep]:
-                deadline = time.monotonic() + 60
-                while time.monotonic() < deadline:
-                    steps = [e async for _, e in read_events(bus, [TRAJECTORY_STEP],
-                                                             on_bad="raise")]
-                    mine = [s for s in steps if isinstance(s, TrajectoryStep)
-                            and s.policy_version == version]
-                    if len(mine) >= 40:
-                        return mine
-                    await asyncio.sleep(0.2)
-                raise AssertionError(f"sampler produced too few steps of v{version}")
+        async def steps_of(version: int) -> list[TrajectoryStep]:
+            mine: list[TrajectoryStep] = []
 
-            try:
-                early = await steps_of(0)
-                await _publish(bus, POLICY_VERSION, _pv(ref10, 10))
-                late = await steps_of(10)
-            finally:
-                runner.stop()
-                await task
-            return early, late
+            async def enough() -> bool:
+                mine[:] = [s for s in await scratch_bus.events(TRAJECTORY_STEP)
+                           if isinstance(s, TrajectoryStep) and s.policy_version == version]
+                return len(mine) >= 40
 
-    early, late = asyncio.run(run())
+            assert await wait_until(enough, 60, runner), \
+                f"sampler produced too few steps of v{version}"
+            return mine
+
+        early = await steps_of(0)
+        await scratch_bus.publish(POLICY_VERSION, _pv(ref10, 10))
+        late = await steps_of(10)
     for steps, policy, version in ((early, policy0, 0), (late, policy10, 10)):
         params = sampling_params_at(cfg, version)
         behaviour = _behaviour_logp(policy.next_token_logprobs([s.context_tokens

@@ -9,24 +9,21 @@ store, and once space is freed a restarted segmenter stores and announces all of
 
 from __future__ import annotations
 
-import asyncio
 import os
 import subprocess
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from scratch import run_until
 
 from actors.segmenter import Segmenter
-from gyre_async.bus import open_bus
 from gyre_async.bus.reading import read_topics
-from gyre_async.runtime.actor import ActorRunner
 from gyre_async.storage.checkpoints import CheckpointStore
 from gyre_async.storage.errors import StorageFull
 from gyre_async.storage.segments import SegmentStore
-from schemas import decode, encode, event_id
+from schemas import event_id
 from schemas.config import SegmenterConfig
 from schemas.events import SegmentClosed, TrajectoryStep
 from schemas.topics import SEGMENT_CLOSED, TRAJECTORY_STEP
@@ -120,49 +117,38 @@ def _steps(n_traj: int, n_steps: int) -> list[TrajectoryStep]:
         for t in range(n_traj) for i in range(n_steps)]
 
 
-async def _run_segmenter(url: str, store: Path, timeout: float = 30) -> Exception | None:
-    async with open_bus(url) as bus:
-        actor = Segmenter(SegmenterConfig(write_delay_s=0.0), str(store), "full")
-        runner = ActorRunner(actor, bus, run_id="full", heartbeat_s=30, partitions=1)
-        task = asyncio.create_task(runner.run())
-        deadline = time.monotonic() + timeout
-        while not task.done() and time.monotonic() < deadline:
-            if await bus.lag(runner.group, actor.consumes) == 0:
-                break
-            await asyncio.sleep(0.1)
-        runner.stop()
-        try:
-            await task
-        except Exception as exc:  # noqa: BLE001 - returned for the test to inspect
-            return exc
-    return None
+async def _run_segmenter(scratch_bus, store: Path, timeout: float = 30) -> None:
+    """Run a segmenter until it has committed every step (or it crashes: raised here)."""
+    actor = Segmenter(SegmenterConfig(write_delay_s=0.0), str(store), "full")
+    runner = scratch_bus.runner(actor, run_id="full")
+
+    async def stored_all() -> bool:
+        return await scratch_bus.bus.lag(runner.group, actor.consumes) == 0
+
+    await run_until(runner, stored_all, timeout)
 
 
 async def test_segmenter_on_full_disk_stops_without_committing_then_resumes(small_volume,
-                                                                            tmp_path):
+                                                                            scratch_bus):
     volume, _ = small_volume
-    url = f"sqlite:///{tmp_path}/events.db"  # the bus is on a normal disk
+    bus = scratch_bus.bus  # the bus is on a normal disk (the test's folder)
     steps = _steps(4, 8)
-    async with open_bus(url) as bus:
-        await bus.create_topics([TRAJECTORY_STEP, SEGMENT_CLOSED], 1)
-        await bus.publish(TRAJECTORY_STEP, [(s.key.encode(), encode(s)) for s in steps])
+    await scratch_bus.publish(TRAJECTORY_STEP, *steps)
     SegmentStore(str(volume / "segments.zarr"))  # create the store, then fill the disk
     filler = fill(volume, leave_bytes=8 * 1024)
 
-    error = await _run_segmenter(url, volume / "segments.zarr")
-    assert isinstance(error, StorageFull), repr(error)
-    assert "segmenter.store" in str(error)
-    async with open_bus(url) as bus:
-        committed = await bus.committed("full.segmenter", TRAJECTORY_STEP)
-        announced = await read_topics(bus, [SEGMENT_CLOSED])
+    with pytest.raises(StorageFull) as error:  # the segmenter crashes, for its supervisor
+        await _run_segmenter(scratch_bus, volume / "segments.zarr")
+    assert "segmenter.store" in str(error.value)
+    committed = await bus.committed("full.segmenter", TRAJECTORY_STEP)
+    announced = await read_topics(bus, [SEGMENT_CLOSED])
     assert committed.get(0, 0) == 0 and announced == []  # nothing committed or announced
     assert SegmentStore(str(volume / "segments.zarr"), read_only=True).list_segments() == []
 
     filler.unlink()  # space freed: a restarted segmenter stores and announces everything
-    assert await _run_segmenter(url, volume / "segments.zarr") is None
-    async with open_bus(url) as bus:
-        committed = await bus.committed("full.segmenter", TRAJECTORY_STEP)
-        segments = [decode(SEGMENT_CLOSED, r.value) for r in await read_topics(bus, [SEGMENT_CLOSED])]
+    await _run_segmenter(scratch_bus, volume / "segments.zarr")
+    committed = await bus.committed("full.segmenter", TRAJECTORY_STEP)
+    segments = await scratch_bus.events(SEGMENT_CLOSED)
     assert committed[0] == len(steps)
     assert all(isinstance(s, SegmentClosed) for s in segments)
     covered = sorted((s.trajectory_id, i) for s in segments

@@ -17,25 +17,22 @@ roll back; the success rate alone beyond ``success_alone_k`` = 4 now decides.
 
 from __future__ import annotations
 
-import asyncio
-
 import msgspec
 import numpy as np
 import pytest
-from test_keeper import _path, _publish, _pv, _versions, _wait_for
+from scratch import wait_until
+from test_keeper import _path, _pv, _versions
 
 from actors.keeper import Keeper
-from gyre_async.bus import open_bus
 from gyre_async.core.keeper import KeeperCore
 from gyre_async.core.keeper_best import final_and_best, read_best, settle_best
 from gyre_async.core.keeper_rules import drop_z, judge
 from gyre_async.core.keeper_slots import KeptSlots
 from gyre_async.folds.runlog import load_runlog
-from gyre_async.runtime.actor import ActorRunner
 from gyre_async.storage.checkpoints import CheckpointStore
 from schemas import event_id
 from schemas.events import EvalResult, KeptCheckpoint, Rollback
-from schemas.topics import ALL_TOPICS, EVAL, KEEPER, POLICY_VERSION
+from schemas.topics import EVAL, KEEPER, POLICY_VERSION
 
 CRAFTS = ("axe", "hammer", "lamp", "pick", "saw", "shovel")
 
@@ -144,26 +141,24 @@ def test_noise_dips_through_the_core_keep_stable_and_never_roll_back(tmp_path, t
     assert core.slots.slots["stable"].version == 4
 
 
-async def _run_keeper_on(bus, cfg, evals):
+async def _run_keeper_on(scratch_bus, cfg, evals):
     """Run the keeper actor until it has handled ``evals``; its ``keeper`` topic after."""
-    keeper = ActorRunner(Keeper(cfg), bus, run_id="tiny", name="keeper", partitions=2)
-    task = asyncio.create_task(keeper.run())
-    try:
-        await _publish(bus, EVAL, *evals)
-        await _wait_for(bus, [KEEPER], lambda es: any(isinstance(e, Rollback) for e in es))
-        for _ in range(600):  # then every input handled (v3's evaluation too)
-            if await keeper.caught_up():
-                break
-            await asyncio.sleep(0.05)
-        else:
-            raise AssertionError(f"keeper never caught up: {await keeper.unconsumed()}")
-    finally:
-        keeper.stop()
-        await asyncio.gather(task)
-    return await _wait_for(bus, [KEEPER], lambda es: True)
+    async with scratch_bus.running(Keeper(cfg), name="keeper") as keeper:
+        await scratch_bus.publish(EVAL, *evals)
+
+        async def rolled_back() -> bool:
+            return any(isinstance(e, Rollback) for e in await scratch_bus.events(KEEPER))
+
+        assert await wait_until(rolled_back, 60, keeper), \
+            f"timed out waiting on {[KEEPER]}: {await scratch_bus.events(KEEPER)}"
+        # then every input handled (v3's evaluation too)
+        assert await wait_until(keeper.caught_up, 30, keeper), \
+            f"keeper never caught up: {await keeper.unconsumed()}"
+    return await scratch_bus.events(KEEPER)
 
 
-def test_keeper_rolls_back_the_quickstart_collapse_and_points_at_the_peak(tmp_path, tiny):
+async def test_keeper_rolls_back_the_quickstart_collapse_and_points_at_the_peak(tmp_path, tiny,
+                                                                                scratch_bus):
     """The keeper actor on a real embedded bus: v0 start, v1 peak, v2 collapse, v3 stays
     down. It orders one rollback (to the best slot, v1) at v2's evaluation and judges
     nothing while the order is pending; ``best.json`` names the keeper's copy of v1. The
@@ -173,16 +168,11 @@ def test_keeper_rolls_back_the_quickstart_collapse_and_points_at_the_peak(tmp_pa
     run_dir = tmp_path / "run"
     refs, _ = _versions(cfg, run_dir / "checkpoints", [0.01] * 3)
 
-    async def scenario():
-        async with open_bus(f"sqlite:///{run_dir}/events.db") as bus:
-            await bus.create_topics(ALL_TOPICS, 2)
-            await _publish(bus, POLICY_VERSION, *[_pv(r, r.version - 1 if r.version else None)
-                                                  for r in refs])
-            out = await _run_keeper_on(bus, cfg, [START, PEAK, COLLAPSE, STAYS_DOWN])
-            log = await load_runlog(bus, with_steps=False)
-            return out, log
-
-    out, log = asyncio.run(scenario())
+    scratch_bus.partitions = 2  # its topics and runner
+    await scratch_bus.publish(POLICY_VERSION, *[_pv(r, r.version - 1 if r.version else None)
+                                                for r in refs])
+    out = await _run_keeper_on(scratch_bus, cfg, [START, PEAK, COLLAPSE, STAYS_DOWN])
+    log = await load_runlog(scratch_bus.bus, with_steps=False)
     orders = [e for e in out if isinstance(e, Rollback)]
     assert len(orders) == 1, orders
     order = orders[0]

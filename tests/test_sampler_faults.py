@@ -84,10 +84,10 @@ def test_hung_and_crashing_envs_end_only_their_trajectory(tmp_path, tiny):
             assert mine and mine[-1].boundary == "trajectory-end" and not mine[-1].success
 
 
-def test_restarted_sampler_ends_trajectories_its_predecessor_left_open(tmp_path, tiny):
+async def test_restarted_sampler_ends_trajectories_its_predecessor_left_open(tmp_path, tiny,
+                                                                              scratch_bus):
     from actors.sampler import Sampler
-    from gyre_async.runtime.actor import ActorRunner
-    from schemas import encode, event_id
+    from schemas import event_id
     from schemas.topics import TRAJECTORY_STEP as TOPIC
 
     cfg = tiny.config(run={"run_dir": str(tmp_path)})
@@ -98,20 +98,13 @@ def test_restarted_sampler_ends_trajectories_its_predecessor_left_open(tmp_path,
                               policy_version=0, context_tokens=[1], action_tokens=[2],
                               action_logprobs=[-0.1], done=done)
 
-    async def go():
-        async with open_bus(f"sqlite:///{tmp_path}/events.db") as bus:
-            events = [step("sampler-old-0", 0), step("sampler-old-0", 1),   # left open
-                      step("sampler-old-1", 0), step("sampler-old-1", 1, done=True),
-                      step("other-x-0", 0)]                                  # not ours
-            await bus.publish(TOPIC, [(e.key.encode(), encode(e)) for e in events])
-            runner = ActorRunner(Sampler(cfg), bus, run_id="tiny", name="sampler")
-            task = asyncio.create_task(runner.run())
-            await asyncio.sleep(3)
-            runner.stop()
-            await task
-            return [decode(TOPIC, r.value) for r in await read_topics(bus, [TOPIC])]
-
-    errors = [e for e in asyncio.run(go()) if isinstance(e, EnvError)]
+    events = [step("sampler-old-0", 0), step("sampler-old-0", 1),   # left open
+              step("sampler-old-1", 0), step("sampler-old-1", 1, done=True),
+              step("other-x-0", 0)]                                  # not ours
+    scratch_bus.partitions = 4  # as a run has them (the bus's and the runner's default)
+    await scratch_bus.publish(TOPIC, *events)
+    await scratch_bus.run(Sampler(cfg), lambda: False, 3, name="sampler")  # for 3 s
+    errors = [e for e in await scratch_bus.events(TOPIC) if isinstance(e, EnvError)]
     assert [(e.trajectory_id, e.step_index) for e in errors] == [("sampler-old-0", 2)]
     assert "abandoned" in errors[0].message
 

@@ -5,30 +5,45 @@ that set it (the headline configuration as one flag, the outcome-only baseline a
 
 from __future__ import annotations
 
+import json
 import statistics
+import subprocess
+import sys
 
-from conftest import load_script
+from conftest import ROOT, load_script
 
+GOLD = """
+import json, sys
 from gyre_async.envs import make_env
-
-COIN_7 = "numLocations=7,includeDoors=0,numDistractorItems=0"
+game, params, games = sys.argv[1], sys.argv[2], int(sys.argv[3])
+env = make_env("twx", game=game, params=params, split="dev", max_steps=200)
+lengths = []
+for seed in range(games):
+    env.reset_sync(f"dev-{seed}", seed)
+    lengths.append(len(env.demonstration()))
+print(json.dumps(lengths))
+"""
 
 
 def _gold_lengths(game: str, params: str, games: int = 48) -> list[int]:
-    env = make_env("twx", game=game, params=params, split="dev", max_steps=200)
-    lengths = []
-    for seed in range(games):
-        env.reset_sync(f"dev-{seed}", seed)
-        lengths.append(len(env.demonstration()))
-    return lengths
+    """Gold path lengths of the first ``games`` dev games, in a process of its own (a fresh
+    JVM: nothing generated before can touch them)."""
+    done = subprocess.run([sys.executable, "-c", GOLD, game, params, str(games)], cwd=ROOT,
+                          capture_output=True, text=True, check=True, timeout=300)
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def test_the_long_task_is_three_times_coin_7_and_its_cap_leaves_room():
+def test_the_long_task_is_at_least_22_steps_and_its_cap_leaves_room():
+    """The issue's bar: a median gold path of at least 22 steps (three times coin-7's ~7).
+    Coin's own gold path is the simulator's search for the coin, which is not the same
+    from one process to the next (medians of 5.5 to 9.5 over the same 48 dev games), so the
+    bar is the fixed number; CookingWorld's gold paths are the same every time (24)."""
     bench = load_script("ops/bench/llm.py")
     task = bench.LONG_TASK
-    long_median = statistics.median(_gold_lengths(task["twx_game"], task["twx_params"]))
-    coin_median = statistics.median(_gold_lengths("coin", COIN_7))
-    assert long_median >= 22 and long_median >= 3 * coin_median, (long_median, coin_median)
+    lengths = _gold_lengths(task["twx_game"], task["twx_params"])
+    assert lengths == _gold_lengths(task["twx_game"], task["twx_params"])  # deterministic
+    long_median = statistics.median(lengths)
+    assert long_median >= 22, long_median
     assert task["max_steps"] >= 2.5 * long_median
 
 

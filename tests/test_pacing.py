@@ -215,3 +215,33 @@ def test_the_sampler_actor_follows_drops_on_the_bus(tmp_path, tiny):
     assert 640 <= held <= 896
     assert ignored == 0  # another run's drop does not move this run's gate
     assert moved > held  # consumed 300: segments open again below 300 + 640 = 940
+
+
+def test_a_rebuilt_episode_inside_a_segment_is_paced_like_one_the_sampler_opened():
+    """A restarted sampler rebuilds an episode whose open segment (its last 2 logged steps)
+    was opened by version 4; the learner is at 5 (max_staleness 1, batches of 8: that
+    segment may have 8 steps ahead of it). Tracked by its first step's version, it holds a
+    new segment back once its room is gone, as a segment the sampler opened would; a log
+    without versions leaves it unpaced."""
+    from gyre_async.core.rollout import LoggedStep
+
+    core = _core(1, 8, 2, 4)
+    core.learner_version, core.learner_consumed = 5, 40
+    steps = [LoggedStep("a", "h0", (), 3), LoggedStep("b", "h1", (), 4),
+             LoggedStep("c", "h2", (), 4)]
+    core._track_rebuilt_segment("r", steps, 2)
+    # 49 out, 47 outside r: 40 + 8 - 47 - 1 = 0 steps of room left for others
+    core.steps_emitted = 49
+
+    async def go() -> None:
+        opener = asyncio.create_task(core._admit("n", opens_segment=True))
+        await asyncio.sleep(0.01)
+        assert not opener.done() and core.at_gate == 1
+        await core._admit("r", opens_segment=False)  # the rebuilt one goes on
+        await core._segment_closed("r")
+        await asyncio.wait_for(opener, 1.0)
+
+    asyncio.run(go())
+    unversioned = _core(1, 8, 2, 4)
+    unversioned._track_rebuilt_segment("r", [LoggedStep("a", "h0"), LoggedStep("b", "h1")], 2)
+    assert not unversioned._segments

@@ -110,7 +110,8 @@ class UnfinishedTrajectories:
                     return
                 trajectory = self._open.setdefault(tid, _Trajectory(event.task_id))
                 trajectory.steps[event.step_index] = LoggedStep(
-                    event.action_text, event.observation_hash, tuple(event.action_tokens))
+                    event.action_text, event.observation_hash, tuple(event.action_tokens),
+                    event.policy_version)
                 if event.step_index == 0:
                     trajectory.reset_hash = event.reset_hash
             case EnvError():

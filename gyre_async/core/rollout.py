@@ -270,6 +270,7 @@ class LoggedStep:
     action_text: str
     observation_hash: str
     action_tokens: tuple[int, ...] = ()
+    policy_version: int = -1  # the version that acted (pacing: when a rebuilt segment opened)
 
 
 async def rebuild_episode(env: Env, task_id: str, seed: int, reset_hash: str,

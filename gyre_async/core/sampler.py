@@ -67,6 +67,7 @@ from gyre_async.core.rollout import (
     ActionBatcher,
     EpisodeState,
     EpisodeSummary,
+    LoggedStep,
     PolicyHolder,
     StepRecord,
     play_episode,
@@ -237,6 +238,18 @@ class SamplerCore:
             self._segments[tid] = OpenSegment(own.first_version, own.length + 1,
                                               max(longest - own.length - 1, 0), own.order)
 
+    def _track_rebuilt_segment(self, tid: str, steps: Sequence[LoggedStep], length: int) -> None:
+        """A rebuilt episode stands inside a segment its predecessor opened (``length``
+        steps so far): pace it like one this sampler opened, aged by the version of its
+        first logged step, so its room is kept and counted (a log without versions leaves
+        it unpaced, under the hard cap only)."""
+        if length == 0 or len(steps) < length or steps[-length].policy_version < 0:
+            return
+        self._segments_opened += 1
+        self._segments[tid] = OpenSegment(
+            steps[-length].policy_version, length,
+            max(self.cfg.segmenter.max_segment_steps - length, 0), self._segments_opened)
+
     async def _segment_closed(self, tid: str) -> None:
         """A segment of ``tid`` closed (or its episode ended): slots held back for it may go."""
         if self._segments.pop(tid, None) is not None:
@@ -351,6 +364,7 @@ class SamplerCore:
         self.rebuilt_episodes += 1
         self.rebuild_seconds.append(loop.time() - started)
         rebuilt: EpisodeState = state
+        self._track_rebuilt_segment(episode.trajectory_id, episode.steps, rebuilt.segment.length)
 
         async def play(on_step: Callable[[StepRecord], Awaitable[None]],
                        before_step: Callable[[], Awaitable[None]]) -> EpisodeSummary:

@@ -101,11 +101,11 @@ def peak_rss_mb() -> float:
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
 
 
-#: ``--long-task``: CookingWorld with 4 rooms, 3 ingredients and doors (median gold path 24
-#: steps on 48 dev games, coin-7's 5.5-9.5: tests/test_long_task.py; each point of the game's score a milestone the
-#: simulator proves), a 64-step cap (2.7x the gold path), segment contexts of up to 2,048
-#: tokens, held-out figures on 96 test games: the headline configuration of
-#: docs/training.md. Flags given explicitly still win.
+#: ``--long-task``: CookingWorld with 4 rooms, 3 ingredients and doors (median gold path
+#: 24 steps on 48 dev games, coin-7's 5.5-9.5: tests/test_long_task.py; each point of the
+#: game's score a milestone the simulator proves), a 64-step cap (2.7x the gold path),
+#: segment contexts of up to 2,048 tokens, held-out figures on 96 test games: the headline
+#: configuration of docs/training.md. Flags given explicitly still win.
 LONG_TASK = {"env": "twx", "twx_game": "cookingworld",
              "twx_params": "numLocations=4,numIngredients=3,numDistractorItems=0,"
                            "includeDoors=1,limitInventorySize=0",

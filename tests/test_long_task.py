@@ -52,7 +52,7 @@ def test_the_long_task_flag_sets_what_the_command_line_leaves_alone():
     argv = ["--long-task", "--max-steps", "70", "--out", "x"]
     p = bench.parser()
     args = p.parse_args(argv)
-    bench.apply_long_task(p, args, argv)
+    bench.apply_long_task(args, argv)
     assert args.max_steps == 70  # given: kept
     assert (args.env, args.twx_game, args.context) == ("twx", "cookingworld", "segment")
     assert args.test_episodes == 96 and args.warmstart_demos == 0

@@ -229,26 +229,29 @@ class SamplerCore:
                     raise _Stopped
         self.steps_emitted += 1
         self.paused_s += loop.time() - started
-        longest = self.cfg.segmenter.max_segment_steps
         if opens_segment:
-            self._segments_opened += 1
-            self._segments[tid] = OpenSegment(self.holder.version, 1, longest - 1,
-                                              self._segments_opened)
+            self._track(tid, self.holder.version, 1)
         elif (own := self._segments.get(tid)) is not None:
-            self._segments[tid] = OpenSegment(own.first_version, own.length + 1,
-                                              max(longest - own.length - 1, 0), own.order)
+            self._track(tid, own.first_version, own.length + 1, own.order)
+
+    def _track(self, tid: str, first_version: int, length: int, order: int | None = None
+               ) -> None:
+        """Pace ``tid``'s open segment: made from ``first_version`` on, ``length`` steps so
+        far, so it may take ``max_segment_steps - length`` more; ``order``: kept from its
+        opening (None: it opens now, after every segment open so far)."""
+        if order is None:
+            self._segments_opened += 1
+            order = self._segments_opened
+        remaining = max(self.cfg.segmenter.max_segment_steps - length, 0)
+        self._segments[tid] = OpenSegment(first_version, length, remaining, order)
 
     def _track_rebuilt_segment(self, tid: str, steps: Sequence[LoggedStep], length: int) -> None:
         """A rebuilt episode stands inside a segment its predecessor opened (``length``
         steps so far): pace it like one this sampler opened, aged by the version of its
         first logged step, so its room is kept and counted (a log without versions leaves
         it unpaced, under the hard cap only)."""
-        if length == 0 or len(steps) < length or steps[-length].policy_version < 0:
-            return
-        self._segments_opened += 1
-        self._segments[tid] = OpenSegment(
-            steps[-length].policy_version, length,
-            max(self.cfg.segmenter.max_segment_steps - length, 0), self._segments_opened)
+        if 0 < length <= len(steps) and steps[-length].policy_version >= 0:
+            self._track(tid, steps[-length].policy_version, length)
 
     async def _segment_closed(self, tid: str) -> None:
         """A segment of ``tid`` closed (or its episode ended): slots held back for it may go."""

@@ -25,7 +25,7 @@ of them fresh, the older first::
     reach(v, s)              =   (max_staleness + 1 - (v - s)) * B
     room(n, v, c, seg)       =   base(v, c) + reach(v, s_seg) - (n - len_seg) - 1
     reserve(seg)             =   sum of remaining steps of the open segments older than seg
-    may_step(own)            <=>  for every open seg younger than own (all of them when
+    may_step(own)            <=>  for every open seg older than own (all of them when
                                   own opens a new segment), room(seg) - reserve(seg) >= 1,
                                   or room(seg) < 0 (beyond saving: it holds nobody back);
                                   and a new segment opens only if room(new) >= the
@@ -164,15 +164,15 @@ class StalenessGate:
             if self.room(steps_emitted, learner_version, consumed, new) < sum(
                     seg.remaining for seg in open_segments):
                 return False
-        for seg in open_segments:
-            if seg is own or (own is not None and own.order < seg.order):
-                continue  # own is older: its steps are counted in seg's reserve
-            room = self.room(steps_emitted, learner_version, consumed, seg)
-            if room < 0:
-                continue  # beyond saving: it holds nobody back
-            reserve = sum(o.remaining for o in open_segments if o.order < seg.order)
-            if room - reserve < 1:
-                return False
+        reserve = 0  # what the segments older than ``seg`` may still take
+        for seg in sorted(open_segments, key=lambda o: o.order):
+            # a step of a younger slot (or a new segment) eats into an older segment's
+            # room; steps of older slots are in its reserve already
+            if own is None or seg.order < own.order:
+                room = self.room(steps_emitted, learner_version, consumed, seg)
+                if 0 <= room < reserve + 1:  # room < 0: beyond saving, holds nobody back
+                    return False
+            reserve += seg.remaining
         return True
 
     def is_stale(self, sample_version: int, learner_version: int) -> bool:

@@ -114,8 +114,7 @@ LONG_TASK = {"env": "twx", "twx_game": "cookingworld",
              "select_episodes": 32, "eval_episodes": 16, "eval_every": 1000}
 
 
-def apply_long_task(p: argparse.ArgumentParser, args: argparse.Namespace,
-                    argv: list[str]) -> None:
+def apply_long_task(args: argparse.Namespace, argv: list[str]) -> None:
     """``--long-task`` sets :data:`LONG_TASK` on every flag the command line left alone."""
     if not args.long_task:
         return
@@ -811,7 +810,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     p = parser()
     args = p.parse_args(argv)
-    apply_long_task(p, args, argv)
+    apply_long_task(args, argv)
     with_bounded_arenas(argv)
     if args.minutes > 75:
         p.error("--minutes: the issue's budget is at most 75 minutes (warm-start + online RL)")

@@ -16,6 +16,7 @@ from typing import Any
 from gyre_async.envs import EnvVocabulary, env_vocabulary
 from gyre_async.envs.macros import macro_words
 from gyre_async.policy.base import Policy
+from gyre_async.policy.context import ContextBuilder
 from gyre_async.policy.factory import (
     allowed_action_ids,
     load_weights,
@@ -46,6 +47,13 @@ def run_vocabulary(cfg: Config) -> EnvVocabulary:
 def build_tokenizer(cfg: Config) -> BaseTokenizer:
     """The run's tokenizer: words from the environment (``tiny``), or the model's own."""
     return make_tokenizer(cfg, run_vocabulary(cfg).words)
+
+
+def build_context_builder(cfg: Config, tokenizer: BaseTokenizer) -> ContextBuilder:
+    """The run's context builder (window or segment contexts, ``[policy]``): the one the
+    sampler acts with, so warm-start, validation and held-out judges read what it reads."""
+    return ContextBuilder(tokenizer, cfg.policy.context_tokens, cfg.policy.history_turns,
+                          mode=cfg.policy.context)
 
 
 def action_token_ids(cfg: Config, tokenizer: BaseTokenizer) -> tuple[int, ...]:

@@ -14,20 +14,28 @@ from pathlib import Path
 import msgspec
 import pytest
 import textworld_express  # noqa: F401 - the test extra installs the simulator
+import torch
 
-from gyre_async.compose import build_policy, build_tokenizer
+from gyre_async.compose import build_context_builder, build_policy, build_tokenizer
 from gyre_async.config import load_config
 from gyre_async.core.evaluation import evaluate
-from gyre_async.core.rollout import PolicyHolder
+from gyre_async.core.rollout import Acted, PolicyHolder, run_episode
 from gyre_async.envs import game_vocabulary, make_env
 from gyre_async.envs.text_games import HINT_PREFIX, snap_action
 from gyre_async.offline.demonstrations import (
     gold_demonstrations,
     read_demonstrations,
     training_pairs,
+    training_segments,
     write_demonstrations,
 )
-from gyre_async.offline.warmstart import warm_policy
+from gyre_async.offline.warmstart import (
+    action_tokens,
+    behaviour_clone,
+    behaviour_clone_segments,
+    warm_policy,
+)
+from gyre_async.policy.base import Action
 from gyre_async.policy.context import ContextBuilder
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -140,6 +148,95 @@ def test_demonstration_file_round_trip_and_contexts(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"env": "twx"}\n')
     with pytest.raises(ValueError, match="bad.jsonl:1"):
         read_demonstrations(str(tmp_path / "bad.jsonl"))
+
+
+#: two objects to put away (two milestones a game), short segments: segments close at
+#: milestones, at their length bound and at the end, all three within one game
+TWC2 = {**TWC, "params": "numLocations=1,numItemsToPutAway=2,includeDoors=0", "max_steps": 20}
+
+
+def segment_config(tmp_path):
+    return twx_config(tmp_path, task={"env_config": TWC2},
+                      policy={"context": "segment", "history_turns": 0, "context_tokens": 400},
+                      segmenter={"max_segment_steps": 3})
+
+
+def test_segment_warm_start_clones_the_sequences_the_sampler_builds(tmp_path):
+    """The offline segments of gold demonstrations are, token for token, the contexts the
+    sampler's own loop builds when it plays the same actions in the real game."""
+    cfg = segment_config(tmp_path)
+    tok = build_tokenizer(cfg)
+    policy = build_policy(cfg, tok)
+    builder = build_context_builder(cfg, tok)
+    demos = gold_demonstrations("twx", TWC2, range(4))
+    assert all(d.success for d in demos)
+
+    def tokens_of(text):
+        return action_tokens(policy, tok, text, cfg.policy.max_action_tokens)
+
+    segments, left_out = training_segments(demos, builder, cfg.segmenter, tokens_of)
+    assert left_out == 0
+
+    async def sampler_contexts(demo) -> list[list[int]]:
+        moves, seen = iter(demo.steps), []
+
+        async def act(context):
+            text = next(moves).action
+            tokens = tokens_of(text)
+            seen.append(context)
+            return Acted(Action(tokens, [0.0] * len(tokens), [0.0] * len(tokens), text), 0)
+
+        env = make_env("twx", **TWC2)
+        try:
+            await run_episode(env, demo.task_id, demo.seed, act, builder, step_timeout_s=60,
+                              segments=cfg.segmenter)
+        finally:
+            await env.close()
+        return seen
+
+    played = [c for demo in demos for c in asyncio.run(sampler_contexts(demo))]
+    offline = [s.sequence[:n] for s in segments for n, _ in s.decisions]
+    assert offline == played
+    assert len(played) == sum(len(d.steps) for d in demos)
+    assert len(segments) > len(demos)  # games were cut into several segments
+    for s in segments:  # each step's context and action lie in its segment's sequence
+        assert 1 <= len(s.decisions) <= cfg.segmenter.max_segment_steps
+        assert s.decisions[-1][0] + s.decisions[-1][1] == len(s.sequence)
+    with pytest.raises(ValueError, match="window"):
+        training_segments(demos, ContextBuilder(tok, 400, 0), cfg.segmenter, tokens_of)
+
+
+def test_segment_cloning_takes_the_step_that_cloning_each_context_apart_takes(tmp_path,
+                                                                              monkeypatch):
+    """One gradient step of behaviour cloning read off whole segments moves the weights as
+    the same step on each step's own context does (the slow reference). Plain SGD without
+    clipping, so the step is the gradient itself (Adam's first step, about the gradient's
+    sign, would hide a gradient off by a factor)."""
+    monkeypatch.setattr(torch.optim, "Adam", torch.optim.SGD)
+    cfg = segment_config(tmp_path)
+    tok = build_tokenizer(cfg)
+    builder = build_context_builder(cfg, tok)
+    demos = gold_demonstrations("twx", TWC2, range(2))
+    policies = [build_policy(cfg, tok) for _ in range(2)]
+    policies[1].load_state_dict(policies[0].state_dict())
+    segments, _ = training_segments(
+        demos, builder, cfg.segmenter,
+        lambda text: action_tokens(policies[0], tok, text, cfg.policy.max_action_tokens))
+    apart = [(s.sequence[:n], s.sequence[n:n + a]) for s in segments for n, a in s.decisions]
+    steps = len(apart)
+    before = {k: v.clone() for k, v in policies[0].state_dict().items()}
+    one_pass = behaviour_clone_segments(policies[0], segments, epochs=1, learning_rate=1.0,
+                                        batch_steps=steps, micro_tokens=300,
+                                        max_grad_norm=1e9)
+    each = behaviour_clone(policies[1], apart, epochs=1, learning_rate=1.0, batch_size=steps,
+                           max_grad_norm=1e9)
+    assert one_pass["bc/segments"] > 1 and one_pass["bc/examples"] == steps
+    assert one_pass["bc/nll"] == pytest.approx(each["bc/nll"], rel=1e-5)
+    moved = 0.0
+    for name, value in policies[0].state_dict().items():
+        torch.testing.assert_close(value, policies[1].state_dict()[name], atol=1e-5, rtol=1e-4)
+        moved = max(moved, float((value - before[name]).abs().max()))
+    assert moved > 1e-2  # the step itself is far larger than the tolerance
 
 
 #: Held-out seeds of the training fold: games the demonstrations (seeds 0-47) never showed,

@@ -23,7 +23,12 @@ import functools
 import itertools
 import math
 
-from gyre_async.compose import build_acting_policy, build_policy, build_tokenizer
+from gyre_async.compose import (
+    build_acting_policy,
+    build_context_builder,
+    build_policy,
+    build_tokenizer,
+)
 from gyre_async.core.rollout import ActionBatcher, PolicyHolder, run_episode
 from gyre_async.envs import make_env
 from gyre_async.envs.macros import with_macros
@@ -145,8 +150,7 @@ class Evaluation:
     def from_config(cls, cfg: Config) -> Evaluation:
         tokenizer = build_tokenizer(cfg)
         return cls(cfg, PolicyHolder(validation_policy(cfg, tokenizer)),
-                   ContextBuilder(tokenizer, cfg.policy.context_tokens, cfg.policy.history_turns,
-                                  mode=cfg.policy.context))
+                   build_context_builder(cfg, tokenizer))
 
     async def run(self, version: PolicyVersion, *, greedy: bool, trigger: str, cause: str,
                   producer: str) -> EvalResult:

@@ -51,7 +51,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
-from gyre_async.compose import build_acting_policy, build_tokenizer
+from gyre_async.compose import build_acting_policy, build_context_builder, build_tokenizer
 from gyre_async.core.exploration import (
     exploration_stats,
     make_holder,
@@ -152,8 +152,7 @@ class SamplerCore:
         """Exploration schedule (perturbed if configured); vLLM when policy.backend = "vllm"."""
         tokenizer = build_tokenizer(cfg)
         return cls(cfg, make_holder(cfg, build_acting_policy(cfg, tokenizer)),
-                   ContextBuilder(tokenizer, cfg.policy.context_tokens, cfg.policy.history_turns,
-                                  mode=cfg.policy.context))
+                   build_context_builder(cfg, tokenizer))
 
     @cached_property
     def roots(self) -> StorageRoots:

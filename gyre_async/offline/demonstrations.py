@@ -21,15 +21,18 @@ from __future__ import annotations
 
 import os
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import msgspec
 
-from gyre_async.core.rollout import milestone_summary
+from gyre_async.core.rollout import EpisodeState, milestone_summary
 from gyre_async.envs import make_env
+from gyre_async.envs.base import StepResult
 from gyre_async.envs.text_games import TextGameEnv
 from gyre_async.policy.context import ContextBuilder
+from schemas.config import SegmenterConfig
+from schemas.events import Milestone
 
 FORMAT = "gyre-demonstration/1"
 
@@ -144,6 +147,61 @@ def training_pairs(demos: Iterable[Demonstration], builder: ContextBuilder,
             history.append((step.observation, step.action))
             reached.extend(step.milestones)
     return pairs
+
+
+class SegmentExample(msgspec.Struct, frozen=True):
+    """One segment of a demonstration as segment contexts hold it: its whole token
+    sequence, and per step (context length, action length), the action's tokens being
+    the sequence's next ones (what ``CausalLMPolicy.evaluate_sequences`` reads)."""
+
+    sequence: list[int]
+    decisions: list[tuple[int, int]]
+
+
+def training_segments(demos: Iterable[Demonstration], builder: ContextBuilder,
+                      segments: SegmenterConfig,
+                      tokens_of: Callable[[str], list[int] | None],
+                      successful_only: bool = True) -> tuple[list[SegmentExample], int]:
+    """Segment contexts of the demonstrations, cut where the sampler would cut them, and how
+    many demonstration steps were left out.
+
+    Each demonstration is walked through the sampler's own :class:`EpisodeState` (its
+    contexts, its segment rule asked with the fields a text game's step carries: a step's
+    milestones are its state change, its last step ends the episode), so every sequence is
+    the one the sampler would have built playing those actions. ``tokens_of`` gives the
+    tokens the policy writes for an action (None: it cannot write it); a demonstration with
+    such a step is left out whole, since its sequences would not be the sampler's."""
+    if not builder.segments:
+        raise ValueError("training_segments: the builder makes window contexts "
+                         "(training_pairs reads those)")
+    out: list[SegmentExample] = []
+    left_out = 0
+    for demo in demos:
+        if successful_only and not demo.success or not demo.steps:
+            continue
+        written = [tokens_of(step.action) for step in demo.steps]
+        if any(tokens is None for tokens in written):
+            left_out += len(demo.steps)
+            continue
+        state = EpisodeState.first(demo.steps[0].observation, builder, segments)
+        sequence: list[int] = []
+        decisions: list[tuple[int, int]] = []
+        for i, (step, tokens) in enumerate(zip(demo.steps, written)):
+            assert tokens is not None
+            context = state.context(builder)
+            sequence = [*context, *tokens]
+            decisions.append((len(context), len(tokens)))
+            last = i == len(demo.steps) - 1
+            reached = tuple(Milestone(name=name, proof="demonstration")
+                            for name in step.milestones)
+            result = StepResult(observation="" if last else demo.steps[i + 1].observation,
+                                feedback=0.0, done=last, truncated=False,
+                                success=last and demo.success, score=0.0,
+                                milestones=reached, state_changed=bool(reached))
+            if state.advance(builder, step.action, tokens, result).boundary is not None:
+                out.append(SegmentExample(sequence, decisions))
+                decisions = []
+    return out, left_out
 
 
 def default_path(name: str) -> str:

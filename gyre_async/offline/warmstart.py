@@ -5,7 +5,11 @@
 have seen at each demonstration step (:func:`gyre_async.offline.demonstrations.training_pairs`) and
 maximises the log-probability of the demonstrated action tokens (and of stopping after
 them) through the policy's own :meth:`~gyre_async.policy.base.Policy.evaluate`, so any
-backend that can evaluate log-probs can be warm-started. The result is saved to the run's
+backend that can evaluate log-probs can be warm-started. With segment contexts
+(``policy.context = "segment"``) the demonstrations are cut into the sampler's segment
+sequences (:func:`~gyre_async.offline.demonstrations.training_segments`) and each is read
+in one forward pass, as the learner reads them: a warm start on windows would teach the
+model contexts the run never shows it. The result is saved to the run's
 checkpoint store and published on the run's bus as ``policy-version`` 0 with reason
 ``warmstart``: the learner, the sampler and the evaluator of a later ``gyre run`` on the
 same run directory start from it (they load the latest published version on start).
@@ -20,20 +24,27 @@ from __future__ import annotations
 import math
 import random
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from gyre_async.compose import build_policy, build_tokenizer, save_weights
+from gyre_async.compose import (
+    build_context_builder,
+    build_policy,
+    build_tokenizer,
+    save_weights,
+)
 from gyre_async.errors import ConfigError
 from gyre_async.offline.demonstrations import (
     Demonstration,
+    SegmentExample,
     gold_demonstrations,
     read_demonstrations,
     training_pairs,
+    training_segments,
 )
 from gyre_async.policy.base import Policy
-from gyre_async.policy.context import ContextBuilder
 from schemas import event_id
 from schemas.config import Config
 from schemas.events import PolicyVersion
@@ -95,13 +106,88 @@ def behaviour_clone(policy: Policy, examples: list[tuple[list[int], list[int]]],
             "bc/examples": float(len(examples)), "bc/seconds": time.monotonic() - started}
 
 
+def token_batches(segments: list[SegmentExample], order: list[int], steps: int,
+                  tokens: int) -> Iterator[list[list[SegmentExample]]]:
+    """Segments in ``order``, as gradient steps of about ``steps`` demonstration steps each,
+    every one split into forward passes of at most ``tokens`` sequence tokens (a longer
+    segment gets a pass of its own; 0: one pass per gradient step)."""
+    batch: list[SegmentExample] = []
+    for n, i in enumerate(order, 1):
+        batch.append(segments[i])
+        if sum(len(s.decisions) for s in batch) >= steps or n == len(order):
+            passes: list[list[SegmentExample]] = [[]]
+            for segment in batch:
+                held = sum(len(s.sequence) for s in passes[-1])
+                if passes[-1] and tokens and held + len(segment.sequence) > tokens:
+                    passes.append([])
+                passes[-1].append(segment)
+            yield passes
+            batch = []
+
+
+def behaviour_clone_segments(policy: Policy, segments: list[SegmentExample], *, epochs: int,
+                             learning_rate: float, batch_steps: int, micro_tokens: int = 0,
+                             max_seconds: float = 0.0, seed: int = 0,
+                             max_grad_norm: float = 1.0) -> dict[str, float]:
+    """:func:`behaviour_clone` on segment contexts: each segment's action tokens are read
+    off one forward pass over its sequence (``evaluate_sequences``, as the learner reads
+    it), passes of at most ``micro_tokens`` tokens accumulated into one gradient step."""
+    evaluate_sequences = getattr(policy, "evaluate_sequences", None)
+    if evaluate_sequences is None:
+        raise ConfigError(f"{type(policy).__name__} cannot read segment sequences; set "
+                          'policy.context = "window" for warm-start with this backend')
+    params = [p for p in policy.parameters() if p.requires_grad]
+    optimizer = torch.optim.Adam(params, lr=learning_rate)
+    rng = random.Random(seed)
+    order = list(range(len(segments)))
+    started = time.monotonic()
+    nll_epoch = float("nan")
+    done_epochs = 0
+    for _ in range(epochs):
+        rng.shuffle(order)
+        total, counted = 0.0, 0.0
+        for passes in token_batches(segments, order, batch_steps, micro_tokens):
+            n_tokens = float(sum(n_act for p in passes for s in p for _, n_act in s.decisions))
+            optimizer.zero_grad()
+            for part in passes:
+                out = evaluate_sequences([s.sequence for s in part], [s.decisions for s in part])
+                loss = -(out.logprobs * out.mask).sum() / max(n_tokens, 1.0)
+                loss.backward()
+                total += float(loss.detach()) * n_tokens
+            torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+            optimizer.step()
+            counted += n_tokens
+        nll_epoch = total / max(counted, 1.0)
+        done_epochs += 1
+        if max_seconds and time.monotonic() - started > max_seconds:
+            break
+    return {"bc/nll": nll_epoch, "bc/epochs": float(done_epochs),
+            "bc/examples": float(sum(len(s.decisions) for s in segments)),
+            "bc/segments": float(len(segments)), "bc/seconds": time.monotonic() - started}
+
+
 def warm_policy(cfg: Config, demos: list[Demonstration] | None = None
                 ) -> tuple[Policy, dict[str, float]]:
-    """The run's policy after behaviour cloning on ``demos`` (default: from config)."""
+    """The run's policy after behaviour cloning on ``demos`` (default: from config), on the
+    contexts the run's sampler builds (windows, or segment sequences read one pass each)."""
     demos = load_demonstrations(cfg) if demos is None else demos
     tokenizer = build_tokenizer(cfg)
     policy = build_policy(cfg, tokenizer)
-    builder = ContextBuilder(tokenizer, cfg.policy.context_tokens, cfg.policy.history_turns)
+    builder = build_context_builder(cfg, tokenizer)
+    W = cfg.warmstart
+    if builder.segments:
+        segments, refused = training_segments(
+            demos, builder, cfg.segmenter,
+            lambda text: action_tokens(policy, tokenizer, text, cfg.policy.max_action_tokens))
+        if not segments:
+            raise ConfigError(f"warm-start: none of {len(demos)} demonstrations gave a usable "
+                              f"segment ({refused} steps left out: words the policy may not "
+                              "generate); check warmstart.demonstrations and task.env_config")
+        stats = behaviour_clone_segments(
+            policy, segments, epochs=W.epochs, learning_rate=W.learning_rate,
+            batch_steps=W.batch_steps, micro_tokens=cfg.learner.micro_tokens,
+            max_seconds=W.max_seconds, seed=cfg.run.seed)
+        return policy, _checked(stats, demos, refused)
     examples, refused = [], 0
     for context, text in training_pairs(demos, builder):
         tokens = action_tokens(policy, tokenizer, text, cfg.policy.max_action_tokens)
@@ -113,17 +199,22 @@ def warm_policy(cfg: Config, demos: list[Demonstration] | None = None
         raise ConfigError(f"warm-start: none of {len(demos)} demonstrations gave a usable step "
                           f"({refused} steps use words the policy may not generate); check "
                           "warmstart.demonstrations and task.env_config")
-    W = cfg.warmstart
     stats = behaviour_clone(policy, examples, epochs=W.epochs, learning_rate=W.learning_rate,
                             batch_size=W.batch_steps, max_seconds=W.max_seconds,
                             seed=cfg.run.seed)
+    return policy, _checked(stats, demos, refused)
+
+
+def _checked(stats: dict[str, float], demos: list[Demonstration], refused: int
+             ) -> dict[str, float]:
+    """``stats`` with the demonstrations' counts; an error if cloning diverged."""
     stats.update({"bc/demonstrations": float(len(demos)),
                   "bc/successful_demonstrations": float(sum(d.success for d in demos)),
                   "bc/refused_steps": float(refused)})
     if not math.isfinite(stats["bc/nll"]):
         raise RuntimeError(f"warm-start diverged (nll {stats['bc/nll']}); lower "
                            "warmstart.learning_rate")
-    return policy, stats
+    return stats
 
 
 async def publish_warmstart(cfg: Config, policy: Policy, stats: dict[str, float],

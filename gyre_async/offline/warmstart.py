@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import math
 import random
+import sys
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TextIO
 
 import torch
 
@@ -73,9 +74,33 @@ def action_tokens(policy: Policy, tokenizer, text: str, max_tokens: int) -> list
     return tokens
 
 
+class CloneProgress:
+    """Warm-start's progress on stderr: a line at most every ``every_s`` seconds and at
+    each epoch's end (cloning a language model's demonstrations takes tens of minutes)."""
+
+    def __init__(self, epochs: int, every_s: float = 10.0, out: TextIO | None = None):
+        self.epochs, self.every_s = epochs, every_s
+        self.out = out if out is not None else sys.stderr
+        self.started = time.monotonic()
+        self._printed = self.started
+
+    def __call__(self, epoch: int, step: int, steps: int, nll: float) -> None:
+        now = time.monotonic()
+        if step < steps and now - self._printed < self.every_s:
+            return
+        self._printed = now
+        print(f"[warm-start {now - self.started:6.0f}s] epoch {epoch}/{self.epochs} "
+              f"step {step}/{steps} nll {nll:.4f}", file=self.out, flush=True)
+
+
+#: called after every gradient step: (epoch, step, steps in the epoch, epoch's nll so far)
+OnStep = Callable[[int, int, int, float], None]
+
+
 def behaviour_clone(policy: Policy, examples: list[tuple[list[int], list[int]]], *,
                     epochs: int, learning_rate: float, batch_size: int, max_seconds: float = 0.0,
-                    seed: int = 0, max_grad_norm: float = 1.0) -> dict[str, float]:
+                    seed: int = 0, max_grad_norm: float = 1.0,
+                    on_step: OnStep | None = None) -> dict[str, float]:
     """Minimise the mean negative log-likelihood of the action tokens given the contexts."""
     params = [p for p in policy.parameters() if p.requires_grad]
     optimizer = torch.optim.Adam(params, lr=learning_rate)
@@ -84,10 +109,11 @@ def behaviour_clone(policy: Policy, examples: list[tuple[list[int], list[int]]],
     started = time.monotonic()
     nll_epoch = float("nan")
     done_epochs = 0
-    for _ in range(epochs):
+    steps = math.ceil(len(order) / batch_size)
+    for epoch in range(1, epochs + 1):
         rng.shuffle(order)
         total, tokens = 0.0, 0.0
-        for start in range(0, len(order), batch_size):
+        for step, start in enumerate(range(0, len(order), batch_size), 1):
             batch = [examples[i] for i in order[start:start + batch_size]]
             out = policy.evaluate([c for c, _ in batch], [a for _, a in batch])
             n_tokens = out.mask.sum().clamp(min=1)
@@ -98,6 +124,8 @@ def behaviour_clone(policy: Policy, examples: list[tuple[list[int], list[int]]],
             optimizer.step()
             total += float(loss.detach()) * float(n_tokens)
             tokens += float(n_tokens)
+            if on_step is not None:
+                on_step(epoch, step, steps, total / max(tokens, 1.0))
         nll_epoch = total / max(tokens, 1.0)
         done_epochs += 1
         if max_seconds and time.monotonic() - started > max_seconds:
@@ -128,7 +156,8 @@ def token_batches(segments: list[SegmentExample], order: list[int], steps: int,
 def behaviour_clone_segments(policy: Policy, segments: list[SegmentExample], *, epochs: int,
                              learning_rate: float, batch_steps: int, micro_tokens: int = 0,
                              max_seconds: float = 0.0, seed: int = 0,
-                             max_grad_norm: float = 1.0) -> dict[str, float]:
+                             max_grad_norm: float = 1.0,
+                             on_step: OnStep | None = None) -> dict[str, float]:
     """:func:`behaviour_clone` on segment contexts: each segment's action tokens are read
     off one forward pass over its sequence (``evaluate_sequences``, as the learner reads
     it), passes of at most ``micro_tokens`` tokens accumulated into one gradient step."""
@@ -143,10 +172,12 @@ def behaviour_clone_segments(policy: Policy, segments: list[SegmentExample], *, 
     started = time.monotonic()
     nll_epoch = float("nan")
     done_epochs = 0
-    for _ in range(epochs):
+    for epoch in range(1, epochs + 1):
         rng.shuffle(order)
+        steps = sum(1 for _ in token_batches(segments, order, batch_steps, 0))
         total, counted = 0.0, 0.0
-        for passes in token_batches(segments, order, batch_steps, micro_tokens):
+        for step, passes in enumerate(token_batches(segments, order, batch_steps,
+                                                    micro_tokens), 1):
             n_tokens = float(sum(n_act for p in passes for s in p for _, n_act in s.decisions))
             optimizer.zero_grad()
             for part in passes:
@@ -157,6 +188,8 @@ def behaviour_clone_segments(policy: Policy, segments: list[SegmentExample], *, 
             torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
             optimizer.step()
             counted += n_tokens
+            if on_step is not None:
+                on_step(epoch, step, steps, total / max(counted, 1.0))
         nll_epoch = total / max(counted, 1.0)
         done_epochs += 1
         if max_seconds and time.monotonic() - started > max_seconds:
@@ -186,7 +219,7 @@ def warm_policy(cfg: Config, demos: list[Demonstration] | None = None
         stats = behaviour_clone_segments(
             policy, segments, epochs=W.epochs, learning_rate=W.learning_rate,
             batch_steps=W.batch_steps, micro_tokens=cfg.learner.micro_tokens,
-            max_seconds=W.max_seconds, seed=cfg.run.seed)
+            max_seconds=W.max_seconds, seed=cfg.run.seed, on_step=CloneProgress(W.epochs))
         return policy, _checked(stats, demos, refused)
     examples, refused = [], 0
     for context, text in training_pairs(demos, builder):
@@ -201,7 +234,7 @@ def warm_policy(cfg: Config, demos: list[Demonstration] | None = None
                           "warmstart.demonstrations and task.env_config")
     stats = behaviour_clone(policy, examples, epochs=W.epochs, learning_rate=W.learning_rate,
                             batch_size=W.batch_steps, max_seconds=W.max_seconds,
-                            seed=cfg.run.seed)
+                            seed=cfg.run.seed, on_step=CloneProgress(W.epochs))
     return policy, _checked(stats, demos, refused)
 
 

@@ -33,10 +33,10 @@ stopped. Every figure is printed as one JSON line:
 and ``<out>/peer.png``: each side's training success (a running mean over episodes) against
 wall-clock time and against env steps, with the dev-game figures of the judged versions.
 
-``--together`` trains both sides at once and then judges both at once, each side's processes
-pinned to ``--threads`` cores of their own (``taskset``; default half the machine's): the
-same wall clock and the same cores for each, in about half the time of one after the other
-(two 60-minute sides and their judges fit one 3-hour session on two cores).
+``--together`` trains both sides at once, each side's processes pinned to ``--threads``
+cores of their own (``taskset``; default half the machine's): the same wall clock and the
+same cores for each, in half the time of one after the other. The judges, which no clock
+budgets, then run one after the other on the whole machine.
 
 ``--smoke`` runs the whole pipeline on a tiny budget (minutes, a handful of games: figures
 that prove the plumbing, not a comparison). ``--threads N`` sets the torch threads of every
@@ -122,10 +122,10 @@ def gyre_child(args: argparse.Namespace) -> int:
     return 0
 
 
-def child_env(args: argparse.Namespace) -> dict[str, str]:
+def child_env(args: argparse.Namespace, side: str) -> dict[str, str]:
     env = {**os.environ, "MALLOC_ARENA_MAX": os.environ.get("MALLOC_ARENA_MAX", "2"),
            "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    if args.threads:
+    if args.threads and not (args.together and side == "judge"):
         env.update(OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
     return env
 
@@ -138,10 +138,11 @@ def in_vllm_venv(command: list[str]) -> list[str]:
 
 
 def pinned(command: list[str], args: argparse.Namespace, side: str) -> list[str]:
-    """``--together``: ``command`` on its side's own cores (Gyre the first ``--threads``,
+    """``--together``: a side's training on its own cores (Gyre the first ``--threads``,
     TRL the next), so neither side's threads (Gyre's sampler and learner work at once) take
-    the other's cores; unchanged otherwise."""
-    if not args.together:
+    the other's cores; unchanged otherwise, and for the judges (``side`` "judge"), which
+    are not timed and run one after the other on the whole machine."""
+    if not args.together or side == "judge":
         return command
     first = 0 if side == "gyre" else args.threads
     cores = ",".join(str(c) for c in range(first, first + args.threads))
@@ -153,7 +154,7 @@ def run_child(command: list[str], args: argparse.Namespace, log: Path, side: str
     print(f"[peer] {' '.join(command)}  (log: {log})", flush=True)
     started = time.monotonic()
     with open(log, "a") as f:
-        code = subprocess.run(command, env=child_env(args), stdout=f, stderr=subprocess.STDOUT,
+        code = subprocess.run(command, env=child_env(args, side), stdout=f, stderr=subprocess.STDOUT,
                               cwd=ROOT).returncode
     if code != 0:
         tail = log.read_text()[-3000:]
@@ -229,7 +230,7 @@ def judge_gyre(run_dir: Path, task_dir: Path, args: argparse.Namespace) -> dict:
                "--png", str(task_dir / "heldout_gyre.png"), "--out", str(path)]
     if engine == "vllm":
         command = in_vllm_venv(command)
-    run_child(command, args, task_dir / "judge_gyre.log", "gyre")
+    run_child(command, args, task_dir / "judge_gyre.log", "judge")
     return json.loads(path.read_text())
 
 
@@ -252,7 +253,7 @@ def judge_trl(trl_dir: Path, task_dir: Path, task: tuple[str, str, int],
                "--dev-episodes", str(args.dev_episodes), "--test-episodes",
                str(args.test_episodes), "--candidates", str(args.candidates),
                "--llm-argv", *llm_argv(str(task_dir / "trl-judge"), task, args)]
-    run_child(command, args, task_dir / "judge_trl.log", "trl")
+    run_child(command, args, task_dir / "judge_trl.log", "judge")
     return json.loads(path.read_text())
 
 
@@ -482,8 +483,8 @@ def side_figures(judge: dict, env_steps: int, updates: int, seconds: float, rss:
 
 def both(args: argparse.Namespace, gyre: Callable[[], Any], trl: Callable[[], Any]
          ) -> tuple[Any, Any]:
-    """Gyre's stage, then TRL's; with ``--together`` both at once (each side's processes on
-    ``--threads`` cores: the same cores and the same clock for each)."""
+    """Gyre's training, then TRL's; with ``--together`` both at once (each side's processes
+    on ``--threads`` cores: the same cores and the same clock for each)."""
     if not args.together:
         return gyre(), trl()
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
@@ -497,8 +498,8 @@ def task_result(task_name: str, task: tuple[str, str, int], args: argparse.Names
     task_dir.mkdir(parents=True, exist_ok=True)
     run_dir, trl_dir = both(args, lambda: gyre_side(task_dir, task, args),
                             lambda: trl_side(task_dir, task_name, task, args))
-    gyre_judge, trl_judge = both(args, lambda: judge_gyre(run_dir, task_dir, args),
-                                 lambda: judge_trl(trl_dir, task_dir, task, args))
+    gyre_judge = judge_gyre(run_dir, task_dir, args)  # not timed: one after the other
+    trl_judge = judge_trl(trl_dir, task_dir, task, args)
 
     gcurve = asyncio.run(gyre_curve(run_dir))
     train_path = run_dir.parent / "train.json"
@@ -570,9 +571,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=0,
                    help="torch threads of every process of both sides (0: torch's choice)")
     p.add_argument("--together", action="store_true",
-                   help="train both sides at once, then judge both at once, each side's "
-                        "processes on --threads cores (default: half the machine's): the same "
-                        "wall clock and cores for each, in half the time of one after the other")
+                   help="train both sides at once, each side's processes on --threads cores "
+                        "of their own (default: half the machine's): the same wall clock and "
+                        "cores for each, in half the time of one after the other (the judges "
+                        "then run one after the other on the whole machine)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--window", type=int, default=32, help="episodes in the running success")
     # child processes

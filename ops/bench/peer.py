@@ -286,6 +286,16 @@ def load_trl_adapter(holder: Any, folder: str | Path, version: int) -> None:
         holder.version = version
 
 
+def is_base(folder: str | Path) -> bool:
+    """True when a saved adapter changes nothing: every LoRA ``B`` matrix is zero (peft
+    starts them at zero; an update whose advantages were all zero, a group that all lost or
+    all won, leaves them there), so the version is the base model exactly."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(Path(folder) / "adapter_model.safetensors"))
+    return all(not bool(t.any()) for k, t in tensors.items() if "lora_B" in k)
+
+
 def trl_candidates(versions: list[dict], wanted: int) -> list[dict]:
     counted = [v for v in versions if not v["over_budget"]]
     every = spread(len(counted), wanted)
@@ -316,6 +326,13 @@ async def judge_trl_async(args: argparse.Namespace) -> dict:
     figures: dict[str, Any] = {}
     if candidates:  # the base in TRL's context form (nothing to read it against without)
         figures["base"] = await play(test, holder, builder, "TRL form: base model, test games")
+    all_base = bool(candidates) and all(is_base(v["path"]) for v in candidates)
+    if all_base:  # every version is the base model exactly: its figures are the base's
+        print("[peer] every saved TRL version's adapters are zero (the base model): its "
+              "test figures are the base's", flush=True)
+        last = candidates[-1]
+        figures["best"] = figures["final"] = {**figures["base"], "version": last["version"]}
+        candidates = []
     selection = []
     for v in candidates:
         await asyncio.to_thread(load_trl_adapter, holder, v["path"], v["version"])
@@ -326,7 +343,18 @@ async def judge_trl_async(args: argparse.Namespace) -> dict:
                               "test_episodes": args.test_episodes,
                               "dev_episodes": args.dev_episodes, "selection": selection,
                               "base_success": figures["base"]["success"] if figures else None}
-    if not candidates:
+    if all_base:
+        result["note"] = ("every saved version's adapters are zero (its updates had zero "
+                          "advantages): each is the base model, judged as the base")
+        n = args.test_episodes
+        low, high = wilson(figures["best"]["wins"], n)
+        result.update(best_success=figures["best"]["success"], best_success_ci_low=round(low, 4),
+                      best_success_ci_high=round(high, 4),
+                      best_version=figures["best"]["version"],
+                      final_success=figures["final"]["success"],
+                      final_version=figures["final"]["version"],
+                      base_success=figures["base"]["success"], all_versions_are_base=True)
+    elif not candidates:
         result["note"] = "the run saved no version within its budget: nothing judged"
     if candidates:
         best = llm_heldout.choose(selection)

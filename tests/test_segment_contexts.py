@@ -470,3 +470,33 @@ def test_the_base_models_log_probs_are_read_in_one_pass_too(llama_dir):
         tuned = policy.evaluate_sequences(sequences, decisions).logprobs
     assert torch.allclose(one, apart, atol=1e-5)
     assert not torch.allclose(one, tuned, atol=1e-3)  # the adapters were really off
+
+
+def test_an_episode_ending_while_a_batch_acts_waits_for_the_batch_not_the_loop():
+    """Episodes end on the event loop while a batch acts on a worker thread (its prefix
+    search walks the sessions): forgetting a session then must neither mutate the sessions
+    under the batch nor wait for its lock; the next batch drops it."""
+    import threading
+
+    policy = tiny_policy()
+    params = SamplingParams(max_action_tokens=2)
+    policy.act_batch([[1, 2, 3], [1, 2, 4]], params, sessions=["a", "b"])
+    assert set(policy._sessions) == {"a", "b"}
+    held, release = threading.Event(), threading.Event()
+
+    def batch_in_flight():
+        with policy._lock:
+            held.set()
+            release.wait(10)
+
+    worker = threading.Thread(target=batch_in_flight)
+    worker.start()
+    held.wait(10)
+    policy.forget_session("a")  # returns at once, the lock being held
+    assert set(policy._sessions) == {"a", "b"}
+    release.set()
+    worker.join()
+    policy.act_batch([[1, 2, 4, 5]], params, sessions=["b"])
+    assert set(policy._sessions) == {"b"}
+    policy.forget_session("b")  # the lock free: dropped right away
+    assert not policy._sessions

@@ -220,6 +220,7 @@ class CausalLMPolicy(Policy):
         self._generator = torch.Generator().manual_seed(seed)
         self._lock = threading.RLock()
         self._sessions: OrderedDict[str, _Session] = OrderedDict()
+        self._forgotten: set[str] = set()  # ended episodes' sessions, dropped under the lock
 
     def to(self, device: str | torch.device, dtype: torch.dtype | None = None
            ) -> CausalLMPolicy:
@@ -281,6 +282,7 @@ class CausalLMPolicy(Policy):
         self._check(contexts, n_new)
         gen = torch.Generator().manual_seed(seed) if seed is not None else self._generator
         with self._lock, torch.inference_mode():
+            self._drop_forgotten()
             ids, mask, sources = self._prompt(contexts, sessions, n_new)
             width = ids.shape[1] - n_new
             start = max(r for _, r in sources)  # the first column computed
@@ -410,11 +412,27 @@ class CausalLMPolicy(Policy):
             self._sessions.popitem(last=False)
 
     def forget_session(self, session: str) -> None:
-        self._sessions.pop(session, None)
+        """Drop one session (its episode ended). Episodes end on the event loop while a
+        batch acts on a worker thread whose prefix search walks the sessions (a pop there
+        raised "OrderedDict mutated during iteration"), and waiting for the policy's lock
+        would stall the loop for a whole batch: the name is queued (a set add is atomic)
+        and dropped under the lock, by the next batch or right away when the lock is free."""
+        self._forgotten.add(session)
+        if self._lock.acquire(blocking=False):
+            try:
+                self._drop_forgotten()
+            finally:
+                self._lock.release()
+
+    def _drop_forgotten(self) -> None:
+        """Under the lock: drop the queued sessions."""
+        while self._forgotten:
+            self._sessions.pop(self._forgotten.pop(), None)
 
     def forget_sessions(self) -> None:
         """Drop every cached session (the weights changed: their keys/values are stale)."""
-        self._sessions.clear()
+        with self._lock:
+            self._sessions.clear()
 
     def evaluate(self, contexts: list[list[int]], actions: list[list[int]]) -> EvalOutput:
         if len(contexts) != len(actions):

@@ -96,42 +96,68 @@ class CloneProgress:
 #: called after every gradient step: (epoch, step, steps in the epoch, epoch's nll so far)
 OnStep = Callable[[int, int, int, float], None]
 
+#: one gradient step's forward and backward passes; returns (summed nll, action tokens)
+GradientStep = Callable[[], tuple[float, float]]
+
+
+def _clone(policy: Policy, count: int, epoch_steps: Callable[[list[int]], list[GradientStep]],
+           *, epochs: int, learning_rate: float, max_seconds: float, seed: int,
+           max_grad_norm: float, on_step: OnStep | None) -> dict[str, float]:
+    """The cloning loop both context forms share: Adam on the trainable parameters, the
+    ``count`` examples shuffled each epoch and cut into gradient steps by ``epoch_steps``
+    (each step accumulates its own gradient), clipping, progress, and the time bound
+    (checked at an epoch's end)."""
+    params = [p for p in policy.parameters() if p.requires_grad]
+    optimizer = torch.optim.Adam(params, lr=learning_rate)
+    rng = random.Random(seed)
+    order = list(range(count))
+    started = time.monotonic()
+    nll_epoch = float("nan")
+    done_epochs = 0
+    for epoch in range(1, epochs + 1):
+        rng.shuffle(order)
+        steps = epoch_steps(order)
+        total, counted = 0.0, 0.0
+        for step, gradient_step in enumerate(steps, 1):
+            optimizer.zero_grad()
+            nll, n_tokens = gradient_step()
+            torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+            optimizer.step()
+            total += nll
+            counted += n_tokens
+            if on_step is not None:
+                on_step(epoch, step, len(steps), total / max(counted, 1.0))
+        nll_epoch = total / max(counted, 1.0)
+        done_epochs += 1
+        if max_seconds and time.monotonic() - started > max_seconds:
+            break
+    return {"bc/nll": nll_epoch, "bc/epochs": float(done_epochs),
+            "bc/seconds": time.monotonic() - started}
+
 
 def behaviour_clone(policy: Policy, examples: list[tuple[list[int], list[int]]], *,
                     epochs: int, learning_rate: float, batch_size: int, max_seconds: float = 0.0,
                     seed: int = 0, max_grad_norm: float = 1.0,
                     on_step: OnStep | None = None) -> dict[str, float]:
     """Minimise the mean negative log-likelihood of the action tokens given the contexts."""
-    params = [p for p in policy.parameters() if p.requires_grad]
-    optimizer = torch.optim.Adam(params, lr=learning_rate)
-    rng = random.Random(seed)
-    order = list(range(len(examples)))
-    started = time.monotonic()
-    nll_epoch = float("nan")
-    done_epochs = 0
-    steps = math.ceil(len(order) / batch_size)
-    for epoch in range(1, epochs + 1):
-        rng.shuffle(order)
-        total, tokens = 0.0, 0.0
-        for step, start in enumerate(range(0, len(order), batch_size), 1):
-            batch = [examples[i] for i in order[start:start + batch_size]]
+
+    def window_step(batch: list[tuple[list[int], list[int]]]) -> GradientStep:
+        def run() -> tuple[float, float]:
             out = policy.evaluate([c for c, _ in batch], [a for _, a in batch])
             n_tokens = out.mask.sum().clamp(min=1)
             loss = -(out.logprobs * out.mask).sum() / n_tokens
-            optimizer.zero_grad()
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
-            optimizer.step()
-            total += float(loss.detach()) * float(n_tokens)
-            tokens += float(n_tokens)
-            if on_step is not None:
-                on_step(epoch, step, steps, total / max(tokens, 1.0))
-        nll_epoch = total / max(tokens, 1.0)
-        done_epochs += 1
-        if max_seconds and time.monotonic() - started > max_seconds:
-            break
-    return {"bc/nll": nll_epoch, "bc/epochs": float(done_epochs),
-            "bc/examples": float(len(examples)), "bc/seconds": time.monotonic() - started}
+            return float(loss.detach()) * float(n_tokens), float(n_tokens)
+        return run
+
+    def epoch_steps(order: list[int]) -> list[GradientStep]:
+        return [window_step([examples[i] for i in order[start:start + batch_size]])
+                for start in range(0, len(order), batch_size)]
+
+    stats = _clone(policy, len(examples), epoch_steps, epochs=epochs,
+                   learning_rate=learning_rate, max_seconds=max_seconds, seed=seed,
+                   max_grad_norm=max_grad_norm, on_step=on_step)
+    return {**stats, "bc/examples": float(len(examples))}
 
 
 def token_batches(segments: list[SegmentExample], order: list[int], steps: int,
@@ -165,38 +191,28 @@ def behaviour_clone_segments(policy: Policy, segments: list[SegmentExample], *, 
     if evaluate_sequences is None:
         raise ConfigError(f"{type(policy).__name__} cannot read segment sequences; set "
                           'policy.context = "window" for warm-start with this backend')
-    params = [p for p in policy.parameters() if p.requires_grad]
-    optimizer = torch.optim.Adam(params, lr=learning_rate)
-    rng = random.Random(seed)
-    order = list(range(len(segments)))
-    started = time.monotonic()
-    nll_epoch = float("nan")
-    done_epochs = 0
-    for epoch in range(1, epochs + 1):
-        rng.shuffle(order)
-        steps = sum(1 for _ in token_batches(segments, order, batch_steps, 0))
-        total, counted = 0.0, 0.0
-        for step, passes in enumerate(token_batches(segments, order, batch_steps,
-                                                    micro_tokens), 1):
+
+    def segment_step(passes: list[list[SegmentExample]]) -> GradientStep:
+        def run() -> tuple[float, float]:
             n_tokens = float(sum(n_act for p in passes for s in p for _, n_act in s.decisions))
-            optimizer.zero_grad()
+            total = 0.0
             for part in passes:
                 out = evaluate_sequences([s.sequence for s in part], [s.decisions for s in part])
                 loss = -(out.logprobs * out.mask).sum() / max(n_tokens, 1.0)
                 loss.backward()
                 total += float(loss.detach()) * n_tokens
-            torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
-            optimizer.step()
-            counted += n_tokens
-            if on_step is not None:
-                on_step(epoch, step, steps, total / max(counted, 1.0))
-        nll_epoch = total / max(counted, 1.0)
-        done_epochs += 1
-        if max_seconds and time.monotonic() - started > max_seconds:
-            break
-    return {"bc/nll": nll_epoch, "bc/epochs": float(done_epochs),
-            "bc/examples": float(sum(len(s.decisions) for s in segments)),
-            "bc/segments": float(len(segments)), "bc/seconds": time.monotonic() - started}
+            return total, n_tokens
+        return run
+
+    def epoch_steps(order: list[int]) -> list[GradientStep]:
+        return [segment_step(passes)
+                for passes in token_batches(segments, order, batch_steps, micro_tokens)]
+
+    stats = _clone(policy, len(segments), epoch_steps, epochs=epochs,
+                   learning_rate=learning_rate, max_seconds=max_seconds, seed=seed,
+                   max_grad_norm=max_grad_norm, on_step=on_step)
+    return {**stats, "bc/examples": float(sum(len(s.decisions) for s in segments)),
+            "bc/segments": float(len(segments))}
 
 
 def warm_policy(cfg: Config, demos: list[Demonstration] | None = None

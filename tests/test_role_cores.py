@@ -200,3 +200,29 @@ def test_steps_out_of_their_trajectorys_order_are_refused_never_skipped_silently
     assert core.open == {} and core.next_step == {"a": 7}  # the refusals changed nothing
     core.release({0})  # the partition moves: read again from the floor by its new owner
     assert core.gaps == {}
+
+
+def test_evaluation_progress_counts_every_step_and_episode_it_summarises(tiny):
+    """A long evaluation says how far it is: the progress lines' steps, ended episodes and
+    wins are the evaluation's own totals, and the last line comes with the last episode."""
+    import asyncio
+    import io
+
+    from gyre_async.compose import build_policy, build_tokenizer
+    from gyre_async.core.evaluation import EvalProgress, evaluate
+    from gyre_async.core.rollout import PolicyHolder
+    from gyre_async.policy.context import ContextBuilder
+
+    cfg = tiny.config(evaluator={"episodes": 3})
+    tok = build_tokenizer(cfg)
+    builder = ContextBuilder(tok, cfg.policy.context_tokens, cfg.policy.history_turns)
+    out = io.StringIO()
+    progress = EvalProgress("tiny dev games", every_s=3600.0, out=out)
+    result = asyncio.run(evaluate(cfg, PolicyHolder(build_policy(cfg, tok), 0), builder, None,
+                                  True, progress))
+    wins = round(result["success_rate"] * result["episodes"])
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 1  # only the last episode's line within the hour
+    assert lines[0].endswith(f"tiny dev games: {result['env_steps']} env steps, "
+                             f"3/3 episodes ended, {wins} won")
+    assert progress.steps == result["env_steps"] > 0

@@ -22,6 +22,9 @@ import asyncio
 import functools
 import itertools
 import math
+import sys
+import time
+from typing import TextIO
 
 from gyre_async.compose import (
     build_acting_policy,
@@ -29,7 +32,13 @@ from gyre_async.compose import (
     build_policy,
     build_tokenizer,
 )
-from gyre_async.core.rollout import ActionBatcher, PolicyHolder, run_episode
+from gyre_async.core.rollout import (
+    ActionBatcher,
+    EpisodeSummary,
+    PolicyHolder,
+    StepRecord,
+    run_episode,
+)
 from gyre_async.envs import make_env
 from gyre_async.envs.macros import with_macros
 from gyre_async.policy.base import Policy, SamplingParams
@@ -72,8 +81,11 @@ def validation_set(cfg: Config, episodes: int | None = None) -> list[tuple[str, 
 
 
 async def evaluate(cfg: Config, holder: PolicyHolder, builder: ContextBuilder,
-                   episodes: int | None, greedy: bool) -> dict:
-    """Run the validation episodes concurrently with one batched policy; summarise them."""
+                   episodes: int | None, greedy: bool,
+                   progress: EvalProgress | None = None) -> dict:
+    """Run the validation episodes concurrently with one batched policy; summarise them.
+    ``progress`` hears of every step and every episode's end (96 language-model games take
+    tens of minutes)."""
     params = SamplingParams(temperature=cfg.evaluator.temperature,
                             max_action_tokens=cfg.policy.max_action_tokens,
                             greedy=greedy)
@@ -89,9 +101,13 @@ async def evaluate(cfg: Config, holder: PolicyHolder, builder: ContextBuilder,
         session = f"validation-{id(batcher)}-{index}" if builder.segments else None
         act = functools.partial(batcher.act, session=session)
         try:
-            return await run_episode(env, task_id, seed, act, builder,
-                                     step_timeout_s=cfg.sampler.step_timeout_s,
-                                     segments=cfg.segmenter)
+            summary = await run_episode(env, task_id, seed, act, builder,
+                                        step_timeout_s=cfg.sampler.step_timeout_s,
+                                        segments=cfg.segmenter,
+                                        on_step=None if progress is None else progress.step)
+            if progress is not None:
+                progress.episode(summary, len(plan))
+            return summary
         finally:
             batcher.active -= 1
             if session is not None:
@@ -123,6 +139,40 @@ async def evaluate(cfg: Config, holder: PolicyHolder, builder: ContextBuilder,
         "validation_seeds": sorted({s for _, s in plan}),
         "validation_config": {k: str(v) for k, v in cfg.evaluator.env_config.items()},
     }
+
+
+class EvalProgress:
+    """An evaluation's progress on stderr (:func:`evaluate`'s ``progress``): env steps
+    played, episodes ended of those planned and won so far, elapsed seconds; a line at most
+    every ``every_s`` seconds and at the last episode. Episodes run all at once, so most
+    end together near the end: the steps are what moves."""
+
+    def __init__(self, label: str, every_s: float = 30.0, out: TextIO | None = None):
+        self.label, self.every_s = label, every_s
+        self.out = out if out is not None else sys.stderr
+        self.started = self._printed = time.monotonic()
+        self.steps = self.ended = self.won = 0
+        self.planned = 0
+
+    async def step(self, _record: StepRecord) -> None:
+        self.steps += 1
+        self._maybe_print()
+
+    def episode(self, summary: EpisodeSummary, planned: int) -> None:
+        self.ended += 1
+        self.won += int(summary.success)
+        self.planned = planned
+        self._maybe_print(force=self.ended == planned)
+
+    def _maybe_print(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._printed < self.every_s:
+            return
+        self._printed = now
+        planned = f"/{self.planned}" if self.planned else ""
+        print(f"[eval {now - self.started:6.0f}s] {self.label}: {self.steps} env steps, "
+              f"{self.ended}{planned} episodes ended, {self.won} won", file=self.out,
+              flush=True)
 
 
 def eval_trigger(cfg: Config, version: PolicyVersion) -> str:

@@ -77,7 +77,7 @@ from _common import wilson_interval as wilson
 from gyre_async.bus import open_bus
 from gyre_async.bus.reading import read_events
 from gyre_async.compose import build_context_builder, build_policy, build_tokenizer
-from gyre_async.core.evaluation import evaluate, validation_policy
+from gyre_async.core.evaluation import EvalProgress, evaluate, validation_policy
 from gyre_async.core.rollout import PolicyHolder
 from gyre_async.core.segmenter import segment_contexts
 from schemas.config import Config
@@ -174,7 +174,8 @@ def bench_config(args: argparse.Namespace) -> Config:
 async def validation(cfg: Config, policy) -> dict:
     builder = build_context_builder(cfg, build_tokenizer(cfg))
     started = time.monotonic()
-    r = await evaluate(cfg, PolicyHolder(policy, 0), builder, None, cfg.evaluator.greedy)
+    r = await evaluate(cfg, PolicyHolder(policy, 0), builder, None, cfg.evaluator.greedy,
+                       EvalProgress("validation games"))
     return {"success": r["success_rate"], "score": r["mean_score"],
             "episodes": r["episodes"], "length": r["mean_length"],
             "seconds": round(time.monotonic() - started, 1)}

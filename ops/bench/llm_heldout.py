@@ -41,7 +41,7 @@ from _common import wilson_interval as wilson
 from gyre_async.bus import open_bus
 from gyre_async.bus.reading import read_events
 from gyre_async.compose import build_context_builder, build_tokenizer
-from gyre_async.core.evaluation import evaluate, validation_policy
+from gyre_async.core.evaluation import EvalProgress, evaluate, validation_policy
 from gyre_async.core.rollout import PolicyHolder
 from gyre_async.policy.context import ContextBuilder
 from schemas.config import Config
@@ -116,7 +116,8 @@ def env_overrides(pairs: list[str]) -> dict[str, str | int | float]:
 
 async def play(cfg: Config, holder: PolicyHolder, builder: ContextBuilder, label: str) -> dict:
     started = time.monotonic()
-    r = await evaluate(cfg, holder, builder, None, cfg.evaluator.greedy)
+    r = await evaluate(cfg, holder, builder, None, cfg.evaluator.greedy,
+                       EvalProgress(label))
     n = r["episodes"]
     wins = round(r["success_rate"] * n)
     figures = {"version": holder.version, "success": r["success_rate"], "wins": wins,

@@ -440,6 +440,12 @@ class EvaluatorConfig(Strict):
     ``sampler``, the sampler's acting engine (a vLLM engine of its own when ``policy.backend =
     "vllm"``: several times faster than torch at acting on CPU, so validation stops taking the
     learner's cores for minutes; its log-probs agree with torch's, ops/check_vllm.sh)."""
+    concurrency: CountOrZero = 0
+    """Episodes played at once (0: all of them). With segment contexts never more than the
+    acting policy keeps cached sessions (``max_sessions``): past it, each batch would evict
+    sessions that must then be prefilled whole again, and every cached episode's keys and
+    values are held in memory (96 games of a 2,000-token context: ~10 GB, twice that while
+    a batch copies them)."""
 
 
 class WarmstartConfig(Strict):

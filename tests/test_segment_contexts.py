@@ -318,6 +318,41 @@ def test_validation_plays_segment_contexts_on_cached_prefixes_and_forgets_them(t
     assert not policy._sessions  # ... and forgotten when it ended
 
 
+
+@pytest.mark.parametrize("concurrency, kept, at_most", [(0, 3, 3), (2, 64, 2), (0, 64, 7)])
+def test_validation_plays_no_more_episodes_at_once_than_the_policy_keeps_sessions(
+        tiny, concurrency, kept, at_most):
+    """96 segment-context games played at once by a policy that keeps 64 sessions evicted
+    32 a batch (each then prefilled whole again) and held every cache twice: the judge ran
+    out of memory. Validation plays at most ``evaluator.concurrency`` episodes at once and,
+    with segment contexts, at most the policy's ``max_sessions``; every episode is played."""
+    from gyre_async.compose import build_policy
+    from gyre_async.core.evaluation import evaluate
+
+    cfg = tiny.config(policy={"context": "segment", "context_tokens": 160},
+                      evaluator={"concurrency": concurrency})
+    policy = build_policy(cfg)
+    policy.max_sessions = kept
+    builder = ContextBuilder(policy.tokenizer, 160, 0, mode="segment")
+    rows, cached = [], []
+    act_batch = policy.act_batch
+
+    def recording(contexts, params, seed=None, sessions=None):
+        rows.append(len(contexts))
+        out = act_batch(contexts, params, seed, sessions=sessions)
+        cached.append(len(policy._sessions))
+        return out
+
+    policy.act_batch = recording  # the real policy acts; the wrapper only counts
+    result = asyncio.run(evaluate(cfg, PolicyHolder(policy, 0), builder, 7, greedy=True))
+    assert result["episodes"] == 7 and sum(rows) == result["env_steps"]
+    assert max(rows) == at_most  # batches as full as allowed, never fuller
+    assert max(cached) <= min(at_most, kept)
+    evicted_or_not = policy.prefill_reused > policy.prefill_computed
+    assert evicted_or_not  # no episode lost its cached prefix to an eviction
+    assert not policy._sessions
+
+
 # -- a Hugging Face causal LM (the same code path as SmolLM2's) -----------------------------
 
 OBSERVATIONS = [

@@ -92,27 +92,33 @@ async def evaluate(cfg: Config, holder: PolicyHolder, builder: ContextBuilder,
     plan = validation_set(cfg, episodes)
     env_config = {**cfg.task.env_config, **cfg.evaluator.env_config}
     batcher = ActionBatcher(holder, params, wait_s=cfg.sampler.batch_wait_s, seed=cfg.run.seed)
-    batcher.active = len(plan)
+    at_once = concurrent_episodes(cfg, holder.policy, builder, len(plan))
+    gate = asyncio.Semaphore(at_once)
+    batcher.active = at_once
+    ended = 0
 
     async def one(index: int, task_id: str, seed: int):
-        env = with_macros(make_env(cfg.task.env, **env_config), cfg.macros)
-        # segment contexts: each episode acts on its own cached prefix, forgotten at its end
-        # (named per call: weights may change between two calls)
-        session = f"validation-{id(batcher)}-{index}" if builder.segments else None
-        act = functools.partial(batcher.act, session=session)
-        try:
-            summary = await run_episode(env, task_id, seed, act, builder,
-                                        step_timeout_s=cfg.sampler.step_timeout_s,
-                                        segments=cfg.segmenter,
-                                        on_step=None if progress is None else progress.step)
-            if progress is not None:
-                progress.episode(summary, len(plan))
-            return summary
-        finally:
-            batcher.active -= 1
-            if session is not None:
-                holder.policy.forget_session(session)
-            await env.close()
+        nonlocal ended
+        async with gate:
+            env = with_macros(make_env(cfg.task.env, **env_config), cfg.macros)
+            # segment contexts: each episode acts on its own cached prefix, forgotten at its
+            # end (named per call: weights may change between two calls)
+            session = f"validation-{id(batcher)}-{index}" if builder.segments else None
+            act = functools.partial(batcher.act, session=session)
+            try:
+                summary = await run_episode(env, task_id, seed, act, builder,
+                                            step_timeout_s=cfg.sampler.step_timeout_s,
+                                            segments=cfg.segmenter,
+                                            on_step=None if progress is None else progress.step)
+                if progress is not None:
+                    progress.episode(summary, len(plan))
+                return summary
+            finally:
+                ended += 1  # the next episode takes this one's place while any is left
+                batcher.active = min(at_once, len(plan) - ended)
+                if session is not None:
+                    holder.policy.forget_session(session)
+                await env.close()
 
     try:
         results = await asyncio.gather(*(one(i, t, s) for i, (t, s) in enumerate(plan)))
@@ -139,6 +145,17 @@ async def evaluate(cfg: Config, holder: PolicyHolder, builder: ContextBuilder,
         "validation_seeds": sorted({s for _, s in plan}),
         "validation_config": {k: str(v) for k, v in cfg.evaluator.env_config.items()},
     }
+
+
+def concurrent_episodes(cfg: Config, policy: Policy, builder: ContextBuilder, planned: int
+                        ) -> int:
+    """How many validation episodes play at once: ``evaluator.concurrency`` (0: all), and
+    with segment contexts at most the sessions the policy keeps cached."""
+    at_once = cfg.evaluator.concurrency or planned
+    kept = getattr(policy, "max_sessions", None)
+    if builder.segments and kept:
+        at_once = min(at_once, kept)
+    return max(1, min(at_once, planned))
 
 
 class EvalProgress:

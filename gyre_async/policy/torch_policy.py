@@ -405,7 +405,8 @@ class CausalLMPolicy(Policy):
             if session is None:
                 continue
             real = mask[i, :width]
-            kept = [(k[i][:, real].clone(), v[i][:, real].clone()) for k, v in layers]
+            # a boolean index copies already: the batch's cache is not held by the session
+            kept = [(k[i][:, real], v[i][:, real]) for k, v in layers]
             self._sessions[session] = _Session(ids[i, :width][real].tolist(), kept)
             self._sessions.move_to_end(session)
         while len(self._sessions) > self.max_sessions:

@@ -100,6 +100,13 @@ def peak_rss_mb() -> float:
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
 
 
+#: validation and held-out games played at once: with segment contexts each holds its cached
+#: keys/values (~46 KB a token for SmolLM2-135M, ~100 MB for a 2,000-token game) and a batch
+#: copies them, so 96 games at once ran a judge out of this machine's 24 GB; 32 at once
+#: batch as well on 2 cores
+EVAL_AT_ONCE = 32
+
+
 #: ``--long-task``: CookingWorld with 4 rooms, 3 ingredients and doors (median gold path
 #: 24 steps on 48 dev games, coin-7's 5.5-9.5: tests/test_long_task.py; each point of the
 #: game's score a milestone the simulator proves), a 64-step cap (2.7x the gold path),
@@ -165,7 +172,7 @@ def bench_config(args: argparse.Namespace) -> Config:
         evaluator={"every_versions": args.eval_every, "greedy": args.decoding == "greedy",
                    "temperature": args.temperature, "seeds": list(range(args.eval_episodes)),
                    "engine": "sampler" if args.eval_engine == "vllm" else "learner",
-                   "env_config": valid},
+                   "env_config": valid, "concurrency": EVAL_AT_ONCE},
         loop={"max_wall_s": args.minutes * 60, "max_staleness": 2},
     )
     return make_config(cfg, **credit_overrides(args))

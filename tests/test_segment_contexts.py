@@ -535,3 +535,34 @@ def test_an_episode_ending_while_a_batch_acts_waits_for_the_batch_not_the_loop()
     assert set(policy._sessions) == {"b"}
     policy.forget_session("b")  # the lock free: dropped right away
     assert not policy._sessions
+
+
+def test_the_roomy_cache_layer_holds_what_transformers_own_layer_holds():
+    """Acting appends into spare columns instead of concatenating (a whole-cache copy per
+    generated token): prefills and single tokens, within the room and past it, the layer
+    holds and returns exactly what ``DynamicLayer`` does."""
+    cache_utils = pytest.importorskip("transformers.cache_utils")
+    from gyre_async.policy.hf_policy import _roomy_layer
+
+    gen = torch.Generator().manual_seed(0)
+    theirs = cache_utils.DynamicLayer()
+    start_k, start_v = torch.randn(2, 3, 5, 4, generator=gen), torch.randn(2, 3, 5, 4,
+                                                                          generator=gen)
+    buffer_k = torch.cat([start_k, torch.full((2, 3, 4, 4), float("nan"))], 2)
+    buffer_v = torch.cat([start_v, torch.full((2, 3, 4, 4), float("nan"))], 2)
+    held = _roomy_layer().holding(buffer_k, buffer_v, 5)
+    fresh = _roomy_layer()(room=2)
+    theirs.update(start_k, start_v)
+    fresh.update(start_k, start_v)
+    in_place = []
+    for width in (3, 1, 1, 1, 4):  # the held layer's 4 spare columns run out at the third
+        k, v = torch.randn(2, 3, width, 4, generator=gen), torch.randn(2, 3, width, 4,
+                                                                       generator=gen)
+        expected = theirs.update(k, v)
+        for layer in (held, fresh):
+            got = layer.update(k, v)
+            for a, b in zip(got, expected):
+                assert torch.equal(a, b)
+            assert layer.get_seq_length() == theirs.get_seq_length()
+        in_place.append(held.keys.data_ptr() == buffer_k.data_ptr())
+    assert in_place == [True, True, False, False, False]  # then it grew into a new buffer

@@ -189,6 +189,10 @@ def tied_weight_names(lm: nn.Module) -> set[str]:
 class HFPolicy(CausalLMPolicy):
     """A Hugging Face causal LM with a value head, behind the :class:`Policy` interface."""
 
+    #: acting appends keys/values into preallocated room (:func:`_roomy_layer`); False:
+    #: transformers' own ``DynamicLayer`` (what ``ops/bench/act_sessions.py`` compares with)
+    roomy_cache = True
+
     def __init__(self, lm: PreTrainedModel, tokenizer: BaseTokenizer, *,
                  value_prior: float = 0.0, action_token_ids: Sequence[int] = (), seed: int = 0,
                  lora: LoraSection | None = None, model_path: str = ""):
@@ -240,10 +244,33 @@ class HFPolicy(CausalLMPolicy):
     def _cache_layers(self, cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [(layer.keys, layer.values) for layer in cache.layers]
 
-    def _as_cache(self, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+    def _as_cache(self, buffers: list[tuple[torch.Tensor, torch.Tensor]], length: int) -> Any:
+        """A ``DynamicCache`` whose layers append in place into ``buffers``' spare columns
+        (:func:`_roomy_layer`): transformers' own layer copies the whole cache for every
+        generated token, and its constructor copies what it is given once more."""
+        if not self.roomy_cache:
+            from transformers.cache_utils import DynamicCache
+
+            return DynamicCache(ddp_cache_data=[(k[:, :, :length], v[:, :, :length])
+                                                for k, v in buffers],
+                                config=self._model.lm.config)
+        return self._empty_cache(0, [(k, v, length) for k, v in buffers])
+
+    def _empty_cache(self, room: int,
+                     held: list[tuple[torch.Tensor, torch.Tensor, int]] | None = None) -> Any:
         from transformers.cache_utils import DynamicCache
 
-        return DynamicCache(ddp_cache_data=layers, config=self._model.lm.config)
+        if not self.roomy_cache and held is None:
+            return None  # the model makes its own
+        cache = DynamicCache(config=self._model.lm.config)
+        layer = _roomy_layer()
+        if held is None:
+            cache.layers = [layer(room) for _ in cache.layers]
+        else:
+            if len(held) != len(cache.layers):
+                raise ValueError(f"{len(held)} cached layers for a model of {len(cache.layers)}")
+            cache.layers = [layer.holding(k, v, n) for k, v, n in held]
+        return cache
 
     def _value(self, h_last: torch.Tensor) -> torch.Tensor:
         return self._model.value_head(h_last).squeeze(-1)
@@ -315,3 +342,53 @@ class HFPolicy(CausalLMPolicy):
         the policy itself is left unusable for training afterwards with LoRA)."""
         lm: Any = self._model.lm
         return lm.merge_and_unload() if self.lora is not None else lm
+
+
+@functools.cache
+def _roomy_layer() -> Any:
+    """transformers' ``DynamicLayer`` that appends into spare columns of a buffer instead of
+    concatenating (which copies the whole cache: per layer, for every generated token).
+    ``keys``/``values`` are views of the buffer's first columns, so everything that reads
+    the layer sees what a ``DynamicLayer`` would hold; a full buffer grows by copying once,
+    with ``room`` spare columns again. Built on first use: transformers is optional."""
+    from transformers.cache_utils import DynamicLayer
+
+    class RoomyLayer(DynamicLayer):
+        def __init__(self, room: int = 0):
+            super().__init__()
+            self.room = room
+            self._keys: torch.Tensor | None = None
+            self._values: torch.Tensor | None = None
+
+        @classmethod
+        def holding(cls, keys: torch.Tensor, values: torch.Tensor, length: int) -> RoomyLayer:
+            """A layer holding ``keys``/``values``' first ``length`` columns, the rest room."""
+            layer = cls()
+            layer.lazy_initialization(keys, values)
+            layer._keys, layer._values = keys, values
+            layer.keys, layer.values = keys[:, :, :length], values[:, :, :length]
+            return layer
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+                   **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            old_keys, old_values = self.keys, self.values
+            assert old_keys is not None and old_values is not None  # initialized above
+            held = old_keys.shape[-2] if old_keys.dim() == 4 else 0
+            need = held + key_states.shape[-2]
+            if self._keys is None or self._values is None or need > self._keys.shape[-2]:
+                b, h, _, d = key_states.shape
+                keys = key_states.new_empty((b, h, need + self.room, d))
+                values = value_states.new_empty((b, value_states.shape[1], need + self.room,
+                                                 value_states.shape[-1]))
+                if held:
+                    keys[:, :, :held] = old_keys
+                    values[:, :, :held] = old_values
+                self._keys, self._values = keys, values
+            self._keys[:, :, held:need] = key_states
+            self._values[:, :, held:need] = value_states
+            self.keys, self.values = self._keys[:, :, :need], self._values[:, :, :need]
+            return self.keys, self.values
+
+    return RoomyLayer

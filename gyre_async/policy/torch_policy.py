@@ -252,9 +252,15 @@ class CausalLMPolicy(Policy):
         """Per layer (keys, values) [B, H, T, D] of what ``_forward`` returned as cache."""
         return list(cache)
 
-    def _as_cache(self, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
-        """The model's cache object holding ``layers`` (inverse of ``_cache_layers``)."""
-        return layers
+    def _as_cache(self, buffers: list[tuple[torch.Tensor, torch.Tensor]], length: int) -> Any:
+        """The model's cache object holding the first ``length`` columns of ``buffers``
+        (per layer keys, values [B, H, T, D] with T >= length; inverse of ``_cache_layers``).
+        The columns past ``length`` are room a cache may append into without copying."""
+        return [(k[:, :, :length], v[:, :, :length]) for k, v in buffers]
+
+    def _empty_cache(self, room: int) -> Any:
+        """The cache to prefill into when nothing is reused (None: the model makes one)."""
+        return None
 
     @abc.abstractmethod
     def _value(self, h_last: torch.Tensor) -> torch.Tensor: ...
@@ -291,7 +297,7 @@ class CausalLMPolicy(Policy):
             raw: list[list[float]] = [[] for _ in contexts]
             live = torch.ones(len(contexts), dtype=torch.bool, device=self.device)
             hidden, cache = self._forward(ids[:, start:width], mask[:, :width],
-                                          self._past_cache(sources))
+                                          self._past_cache(sources, ids.shape[1] - start))
             for j in range(n_new):
                 if j:  # one new column, attending to the cached ones
                     hidden, cache = self._forward(ids[:, width + j - 1:width + j],
@@ -377,23 +383,24 @@ class CausalLMPolicy(Policy):
                         best, found = kept, shared
         return best, found
 
-    def _past_cache(self, sources: list[tuple[_Session, int]]) -> Any:
-        """The model cache of the reused columns (None when nothing is reused)."""
+    def _past_cache(self, sources: list[tuple[_Session, int]], room: int = 0) -> Any:
+        """The model cache of the reused columns, with ``room`` more columns allocated for
+        what this batch appends (its new prompt columns and generated tokens)."""
         width_p = max(r for _, r in sources)
         if not width_p:
-            return None
+            return self._empty_cache(room)
         first = next(kept for kept, r in sources if r)
-        layers = []
+        buffers = []
         for layer, (k0, v0) in enumerate(first.layers):
-            keys = k0.new_zeros((len(sources), k0.shape[0], width_p, k0.shape[2]))
-            values = v0.new_zeros((len(sources), v0.shape[0], width_p, v0.shape[2]))
+            keys = k0.new_zeros((len(sources), k0.shape[0], width_p + room, k0.shape[2]))
+            values = v0.new_zeros((len(sources), v0.shape[0], width_p + room, v0.shape[2]))
             for i, (kept, r) in enumerate(sources):
                 if r:
                     k, v = kept.layers[layer]
-                    keys[i, :, width_p - r:] = k[:, :r]
-                    values[i, :, width_p - r:] = v[:, :r]
-            layers.append((keys, values))
-        return self._as_cache(layers)
+                    keys[i, :, width_p - r:width_p] = k[:, :r]
+                    values[i, :, width_p - r:width_p] = v[:, :r]
+            buffers.append((keys, values))
+        return self._as_cache(buffers, width_p)
 
     def _keep(self, sessions: list[str | None], ids: torch.Tensor, mask: torch.Tensor,
               cache: Any) -> None:

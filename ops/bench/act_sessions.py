@@ -12,6 +12,10 @@ Each step, side by side on the same contexts:
   episode's context so far are kept between its steps, so only the new tokens are
   prefilled), its time split into prefill of the new tokens, decoding, and copying cached
   keys/values in and out of the batch;
+- **concat**: the same ``act_batch`` (a second copy of the model with sessions of its own,
+  the same seed) on transformers' own
+  ``DynamicLayer``, which concatenates the whole cache for every generated token, where
+  Gyre's layer appends into preallocated room (``HFPolicy.roomy_cache``);
 - **raw**: ``model.generate`` on the whole contexts (left-padded, the same new-token cap,
   sampled): what acting costs without a cache across steps.
 
@@ -85,8 +89,11 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     policy = HFPolicy.from_pretrained(str(ensure_converted()))
+    concat_policy = HFPolicy.from_pretrained(str(ensure_converted()))  # sessions of its own
+    concat_policy.roomy_cache = False  # transformers' own cache layer
     split: dict[str, float] = collections.defaultdict(float)
     timed(policy, split)
+    timed(concat_policy, split)
     tok = policy.tokenizer
     observation = tok.encode(OBSERVATION)
     prompt = tok.encode("You play a text adventure game. Write one command. " * 20)
@@ -97,20 +104,34 @@ def main() -> None:
     for step in range(args.steps):
         split.clear()
         started = time.perf_counter()
-        actions = policy.act_batch(contexts, params, sessions=sessions)
+        actions = policy.act_batch(contexts, params, seed=step, sessions=sessions)
         gyre_s = time.perf_counter() - started
+        gyre_split = dict(split)
+        split.clear()
+        started = time.perf_counter()
+        concat = concat_policy.act_batch(contexts, params, seed=step, sessions=sessions)
+        concat_s = time.perf_counter() - started
+        concat_split = dict(split)
         raw_s = raw_generate(policy, contexts, args.new_tokens)
         rows.append({"step": step, "context_tokens": len(contexts[0]),
-                     "gyre_s": round(gyre_s, 3), "raw_s": round(raw_s, 3),
-                     "raw_over_gyre": round(raw_s / gyre_s, 3),
-                     "gyre_split_s": {k: round(v, 3) for k, v in split.items()}})
+                     "gyre_s": round(gyre_s, 3), "concat_s": round(concat_s, 3),
+                     "raw_s": round(raw_s, 3), "raw_over_gyre": round(raw_s / gyre_s, 3),
+                     "concat_over_gyre": round(concat_s / gyre_s, 3),
+                     "same_actions": [a.tokens for a in actions] == [a.tokens for a in concat],
+                     "gyre_split_s": {k: round(v, 3) for k, v in gyre_split.items()},
+                     "concat_split_s": {k: round(v, 3) for k, v in concat_split.items()}})
         print(rows[-1], flush=True)
         contexts = [[*c, *a.tokens, *observation] for c, a in zip(contexts, actions)]
     later = rows[1:] or rows
+
+    def ratio(key: str) -> float:
+        return round(sum(r[key] for r in later) / sum(r["gyre_s"] for r in later), 3)
+
     print_result({"bench": "act_sessions", "batch": args.batch, "threads":
                   torch.get_num_threads(), "steps": rows,
-                  "raw_over_gyre_after_first": round(
-                      sum(r["raw_s"] for r in later) / sum(r["gyre_s"] for r in later), 3)})
+                  "raw_over_gyre_after_first": ratio("raw_s"),
+                  "concat_over_gyre_after_first": ratio("concat_s"),
+                  "same_actions": all(r["same_actions"] for r in rows)})
 
 
 if __name__ == "__main__":

@@ -472,10 +472,15 @@ def plot(curves: dict[str, dict], judged: dict[str, dict], path: Path, title: st
                              (axes[1], "env_steps", "env steps")):
         for side, curve in curves.items():
             eps = curve["episodes"]
-            if eps:
+            if eps:  # markers too: a side whose few episodes ended together is one point
                 xs = [e[key] / (60 if key == "t" else 1) for e in eps]
-                axis.plot(xs, running([e["success"] for e in eps], window), color=colours[side],
+                axis.plot(xs, running([e["success"] for e in eps], window), ".-", ms=4,
+                          color=colours[side],
                           label=f"{names[side]}: training success (last {window} episodes)")
+            base = judged.get(side, {}).get("base")
+            if base is not None:
+                axis.axhline(base, color=colours[side], ls=":", lw=1,
+                             label=f"{names[side]}: base model, test games (its context form)")
             marks = judged.get(side, {}).get("dev", [])
             if marks:
                 xk = "wall_s" if key == "t" else "env_steps"
@@ -556,7 +561,9 @@ def task_result(task_name: str, task: tuple[str, str, int], args: argparse.Names
     png = out / f"peer-{task_name}.png"
     game, params, cap = task
     plot({"gyre": gcurve, "trl": tcurve},
-         {"gyre": {"dev": gyre_dev}, "trl": {"dev": trl_judge.get("selection", [])}}, png,
+         {"gyre": {"dev": gyre_dev, "base": gyre_judge.get("base_success")},
+          "trl": {"dev": trl_judge.get("selection", []), "base": trl_judge.get("base_success")}},
+         png,
          f"SmolLM2-135M-Instruct + LoRA on TextWorldExpress {game} ({params}, {cap} steps): "
          f"Gyre vs TRL, {args.minutes:g} minutes each", args.window)
     entry: dict[str, Any] = {"gyre": gyre, "trl": trl, "png": str(png)}

@@ -248,28 +248,27 @@ class HFPolicy(CausalLMPolicy):
         """A ``DynamicCache`` whose layers append in place into ``buffers``' spare columns
         (:func:`_roomy_layer`): transformers' own layer copies the whole cache for every
         generated token, and its constructor copies what it is given once more."""
-        if not self.roomy_cache:
-            from transformers.cache_utils import DynamicCache
+        from transformers.cache_utils import DynamicCache
 
+        if not self.roomy_cache:
             return DynamicCache(ddp_cache_data=[(k[:, :, :length], v[:, :, :length])
                                                 for k, v in buffers],
                                 config=self._model.lm.config)
-        return self._empty_cache(0, [(k, v, length) for k, v in buffers])
+        layer = _roomy_layer()
+        return self._cache_of([layer.holding(k, v, length) for k, v in buffers])
 
-    def _empty_cache(self, room: int,
-                     held: list[tuple[torch.Tensor, torch.Tensor, int]] | None = None) -> Any:
+    def _empty_cache(self, room: int) -> Any:
+        if not self.roomy_cache:
+            return None  # the model makes its own
+        layer = _roomy_layer()
+        layers = self._model.lm.config.get_text_config(decoder=True).num_hidden_layers
+        return self._cache_of([layer(room) for _ in range(layers)])
+
+    def _cache_of(self, layers: list[Any]) -> Any:
         from transformers.cache_utils import DynamicCache
 
-        if not self.roomy_cache and held is None:
-            return None  # the model makes its own
         cache = DynamicCache(config=self._model.lm.config)
-        layer = _roomy_layer()
-        if held is None:
-            cache.layers = [layer(room) for _ in cache.layers]
-        else:
-            if len(held) != len(cache.layers):
-                raise ValueError(f"{len(held)} cached layers for a model of {len(cache.layers)}")
-            cache.layers = [layer.holding(k, v, n) for k, v, n in held]
+        cache.layers = layers
         return cache
 
     def _value(self, h_last: torch.Tensor) -> torch.Tensor:

@@ -344,16 +344,9 @@ async def judge_trl_async(args: argparse.Namespace) -> dict:
                               "dev_episodes": args.dev_episodes, "selection": selection,
                               "base_success": figures["base"]["success"] if figures else None}
     if all_base:
-        result["note"] = ("every saved version's adapters are zero (its updates had zero "
-                          "advantages): each is the base model, judged as the base")
-        n = args.test_episodes
-        low, high = wilson(figures["best"]["wins"], n)
-        result.update(best_success=figures["best"]["success"], best_success_ci_low=round(low, 4),
-                      best_success_ci_high=round(high, 4),
-                      best_version=figures["best"]["version"],
-                      final_success=figures["final"]["success"],
-                      final_version=figures["final"]["version"],
-                      base_success=figures["base"]["success"], all_versions_are_base=True)
+        result.update(all_versions_are_base=True,
+                      note="every saved version's adapters are zero (its updates had zero "
+                           "advantages): each is the base model, judged as the base")
     elif not candidates:
         result["note"] = "the run saved no version within its budget: nothing judged"
     if candidates:
@@ -366,10 +359,11 @@ async def judge_trl_async(args: argparse.Namespace) -> dict:
             await asyncio.to_thread(load_trl_adapter, holder, v["path"], v["version"])
             figures[key] = await play(test, holder, builder,
                                       f"TRL {key}: version {v['version']}, test games")
-        n = args.test_episodes
-        low, high = wilson(figures["best"]["wins"], n)
+    if "best" in figures:  # chosen on dev games, or every version the base
+        low, high = wilson(figures["best"]["wins"], args.test_episodes)
         result.update(best_success=figures["best"]["success"], best_success_ci_low=round(low, 4),
-                      best_success_ci_high=round(high, 4), best_version=best["version"],
+                      best_success_ci_high=round(high, 4),
+                      best_version=figures["best"]["version"],
                       final_success=figures["final"]["success"],
                       final_version=figures["final"]["version"])
     holder.close()

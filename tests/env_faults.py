@@ -31,3 +31,23 @@ class Misbehaving(Env):
             time.sleep(3600)  # noqa: ASYNC251 - a hung tool that blocks its whole process
         await asyncio.sleep(0)
         return StepResult(f"ok {action}", 1.0, False, False, False, 0.0)
+
+
+class Stating(Env):
+    """States its task at reset and adds every action to it (``Env.task`` through a wrapper)."""
+
+    max_steps = 50
+
+    def __init__(self, **_):
+        self.stated = ""
+
+    async def reset(self, task_id: str, seed: int) -> str:
+        self.stated = f"task {task_id}"
+        return "start"
+
+    async def step(self, action: str) -> StepResult:
+        self.stated += f", then {action}"
+        return StepResult(f"did {action}", 0.0, False, False, False, 0.0)
+
+    def task(self) -> str:
+        return self.stated

@@ -53,6 +53,19 @@ async def test_wrapped_workshop_answers_like_the_workshop():
         await wrapped.close()
 
 
+async def test_the_task_the_child_states_is_the_parents_after_reset_and_each_step():
+    env = make_env("subprocess", inner="env_faults:Stating", cpu_s=10)
+    try:
+        assert env.task() == ""
+        await env.reset("t7", 0)
+        assert env.task() == "task t7"
+        await env.step("look")
+        await env.step("take key")
+        assert env.task() == "task t7, then look, then take key"
+    finally:
+        await env.close()
+
+
 async def test_memory_hog_is_stopped_and_reported():
     env = make_env("subprocess", inner="env_faults:Misbehaving", mode="memory",
                    memory_mb=256, cpu_s=30)

@@ -20,8 +20,9 @@ import torch
 from gyre_async.compose import build_context_builder, build_policy, build_tokenizer
 from gyre_async.config import load_config
 from gyre_async.core.evaluation import evaluate
-from gyre_async.core.rollout import Acted, PolicyHolder, run_episode
+from gyre_async.core.rollout import Acted, LoggedStep, PolicyHolder, rebuild_episode, run_episode
 from gyre_async.envs import game_vocabulary, make_env
+from gyre_async.envs.base import EnvFailure, observation_hash
 from gyre_async.envs.text_games import HINT_PREFIX, snap_action
 from gyre_async.offline.demonstrations import (
     gold_demonstrations,
@@ -39,6 +40,8 @@ from gyre_async.offline.warmstart import (
 )
 from gyre_async.policy.base import Action
 from gyre_async.policy.context import ContextBuilder
+from gyre_async.policy.tokenizer import ByteTokenizer
+from schemas.config import SegmenterConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 TWC = {"game": "twc", "params": "numLocations=1,numItemsToPutAway=1,includeDoors=0",
@@ -206,6 +209,88 @@ def test_segment_warm_start_clones_the_sequences_the_sampler_builds(tmp_path):
         assert s.decisions[-1][0] + s.decisions[-1][1] == len(s.sequence)
     with pytest.raises(ValueError, match="window"):
         training_segments(demos, ContextBuilder(tok, 400, 0), cfg.segmenter, tokens_of)
+
+
+#: CookingWorld, one room, two ingredients: the recipe is read a few steps before the first
+#: milestone (an ingredient taken), so every later segment opens after it
+COOK = {"game": "cookingworld", "params": "numLocations=1,numIngredients=2,"
+        "numDistractorItems=0,includeDoors=0,limitInventorySize=0", "max_steps": 40,
+        "admissible": "hint"}
+
+
+def test_later_segments_open_with_the_task_the_recipe_and_what_the_milestones_took():
+    """A segment that opens mid-episode holds the task as the game states it (its
+    description, and the recipe once the cookbook was read) and the actions that reached
+    the milestones so far; the sampler's loop, a rebuilt episode and the offline warm start
+    build those openings token for token alike."""
+    tok = ByteTokenizer()
+    builder = ContextBuilder(tok, 20_000, 0, mode="segment")
+    segments = SegmenterConfig(max_segment_steps=64)
+    (demo,) = gold_demonstrations("twx", COOK, [2])
+    assert demo.success
+    actions = [step.action for step in demo.steps]
+    read = actions.index("read cookbook")
+    description = demo.steps[0].task
+    assert description.startswith("You are hungry!") and description in demo.steps[0].observation
+    shown = demo.steps[read + 1].observation  # the valid-action hint first, then the text
+    recipe = shown[shown.index("Gather all following ingredients"):]
+    assert "Ingredients:" in recipe
+    assert [s.task for s in demo.steps[:read + 1]] == [description] * (read + 1)
+    assert all(s.task == f"{description} {recipe}" for s in demo.steps[read + 1:])
+
+    def tokens_of(text):
+        return [*tok.encode(text), tok.eos_id]
+
+    offline, left_out = training_segments([demo], builder, segments, tokens_of)
+    assert left_out == 0 and len(offline) >= 3
+    openings = [tok.decode(s.sequence[:s.decisions[0][0]]) for s in offline]
+    assert openings[0].count(description) == 1  # the first observation states it already
+    proved = [step.action for step in demo.steps if step.milestones]
+    for k, opening in enumerate(openings[1:], 1):
+        assert description in opening and "Ingredients:" in opening, opening
+        assert ": " + ". ".join(proved[max(0, k - 4):k]) in opening, (k, opening)
+
+    played, logged = [], []
+
+    async def play():
+        moves = iter(actions)
+
+        async def act(context):
+            text = next(moves)
+            played.append(context)
+            return Acted(Action(tokens_of(text), [0.0] * (len(text) + 1),
+                                [0.0] * (len(text) + 1), text), 0)
+
+        async def on_step(record):
+            logged.append(LoggedStep(record.acted.action.text,
+                                     observation_hash(record.result.observation),
+                                     tuple(record.acted.action.tokens)))
+
+        env = make_env("twx", **COOK)
+        try:
+            await run_episode(env, demo.task_id, demo.seed, act, builder, step_timeout_s=60,
+                              on_step=on_step, segments=segments)
+        finally:
+            await env.close()
+
+    asyncio.run(play())
+    assert played == [s.sequence[:n] for s in offline for n, _ in s.decisions]
+    after_first_milestone = next(i for i, s in enumerate(demo.steps) if s.milestones) + 1
+
+    async def rebuild():
+        env = make_env("twx", **COOK)
+        try:
+            return await rebuild_episode(env, demo.task_id, demo.seed,
+                                         observation_hash(demo.steps[0].observation),
+                                         logged[:after_first_milestone], builder,
+                                         step_timeout_s=60, segments=segments)
+        finally:
+            await env.close()
+
+    state = asyncio.run(rebuild())
+    assert not isinstance(state, EnvFailure)
+    assert recipe in state.task
+    assert state.context(builder) == played[after_first_milestone]
 
 
 def test_segment_cloning_takes_the_step_that_cloning_each_context_apart_takes(tmp_path,

@@ -184,6 +184,15 @@ def milestone_summary(names: list[str]) -> str:
     return f"done {len(names)} last {names[-1].split(':')[0]}"
 
 
+def opening_summary(names: list[str], proved_by: list[str], last: int = 4) -> str:
+    """The summary a segment opening holds: :func:`milestone_summary` and the actions that
+    reached the newest ``last`` milestones (a segment that opens mid-episode has no earlier
+    turn to show what was done): ``"done 2 last points: take parsley. take chicken wing"``."""
+    if not proved_by:
+        return milestone_summary(names)
+    return f"{milestone_summary(names)}: {'. '.join(proved_by[-last:])}"
+
+
 @dataclass
 class Turn:
     """What :meth:`EpisodeState.advance` decided about one step."""
@@ -205,6 +214,10 @@ class EpisodeState:
     history: deque[tuple[str, str]]
     reached: list[str]
     next_step: int = 0
+    #: the task as the environment states it now (``Env.task``; segment openings hold it)
+    task: str = ""
+    #: the actions at which milestones were reached, one per step that reached any
+    proved_by: list[str] = field(default_factory=list)
     reset_hash: str = ""
     segment: SegmentCursor = field(default_factory=lambda: SegmentCursor(SegmenterConfig()))
     #: segment contexts: the current context (None: the next one opens a segment)
@@ -214,28 +227,30 @@ class EpisodeState:
 
     @classmethod
     def first(cls, observation: str, builder: ContextBuilder,
-              segments: SegmenterConfig | None = None) -> EpisodeState:
+              segments: SegmenterConfig | None = None, task: str = "") -> EpisodeState:
         """A fresh episode. ``segments``: the run's segmenter config, whose rule says where
-        segments close (the default config when None)."""
+        segments close (the default config when None); ``task``: the environment's
+        statement of the task after its reset (``Env.task``)."""
         return cls(observation, deque(maxlen=max(builder.history_turns, 1)), [],
                    reset_hash=observation_hash(observation),
-                   segment=SegmentCursor(segments or SegmenterConfig()))
+                   segment=SegmentCursor(segments or SegmenterConfig()), task=task)
 
     def context(self, builder: ContextBuilder) -> list[int]:
         """The context for the next action (a fresh list: the caller may keep it)."""
         if builder.segments:
             if self.sequence is None:
-                self.sequence = builder.opening(self.observation,
-                                                milestone_summary(self.reached))
+                self.sequence = builder.opening(
+                    self.observation, opening_summary(self.reached, self.proved_by), self.task)
                 self.context_prefix = 0
             return list(self.sequence)
         turns = list(self.history)[-builder.history_turns:] if builder.history_turns else []
         return builder.build(self.observation, turns, milestone_summary(self.reached))
 
     def advance(self, builder: ContextBuilder, action_text: str, action_tokens: Sequence[int],
-                result: StepResult) -> Turn:
-        """Take one step: the action (its text and the tokens the policy wrote) and what
-        the environment answered. The segment closes where the segmenter's rule says; a
+                result: StepResult, task: str | None = None) -> Turn:
+        """Take one step: the action (its text and the tokens the policy wrote), what
+        the environment answered and its statement of the task after it (``Env.task``;
+        None: unchanged). The segment closes where the segmenter's rule says; a
         segment context that could not take the next observation within the builder's
         budget closes it too (``context_full``, a flag the step's event carries, so the
         segmenter reads the same cut)."""
@@ -257,6 +272,10 @@ class EpisodeState:
             self.context_prefix = prefix
         self.history.append((self.observation, action_text))
         self.reached.extend(m.name for m in result.milestones)
+        if result.milestones:
+            self.proved_by.append(action_text)
+        if task is not None:
+            self.task = task
         self.observation = result.observation
         self.next_step += 1
         return Turn(boundary, full, prefix)
@@ -290,7 +309,7 @@ async def rebuild_episode(env: Env, task_id: str, seed: int, reset_hash: str,
     if isinstance(first, EnvFailure):
         return EnvFailure(first.kind, f"rebuild-failed at reset: {first.message}",
                           reason="rebuild-failed")
-    state = EpisodeState.first(first, builder, segments)
+    state = EpisodeState.first(first, builder, segments, env.task())
     if state.reset_hash != reset_hash:
         return _mismatch("at reset", reset_hash, state.reset_hash)
     for index, step in enumerate(logged):
@@ -311,7 +330,7 @@ async def rebuild_episode(env: Env, task_id: str, seed: int, reset_hash: str,
             return EnvFailure("exception", f"rebuild-mismatch at step {index}: the replayed "
                               f"episode ended there, the log goes on to step {len(logged) - 1}",
                               reason="rebuild-mismatch")
-        state.advance(builder, step.action_text, step.action_tokens, result)
+        state.advance(builder, step.action_text, step.action_tokens, result, env.task())
     return state
 
 
@@ -338,7 +357,8 @@ async def run_episode(
     first = await guarded_reset(env, task_id, seed, step_timeout_s)
     if isinstance(first, EnvFailure):
         return EpisodeSummary(failure=first)
-    return await play_episode(env, EpisodeState.first(first, builder, segments), act, builder,
+    return await play_episode(env, EpisodeState.first(first, builder, segments, env.task()),
+                              act, builder,
                               step_timeout_s=step_timeout_s, on_step=on_step,
                               before_step=before_step)
 
@@ -374,7 +394,8 @@ async def play_episode(
             summary.failure = result
             summary.steps = step_index
             return summary
-        turn = state.advance(builder, acted.action.text, acted.action.tokens, result)
+        turn = state.advance(builder, acted.action.text, acted.action.tokens, result,
+                             env.task())
         next_context = None if result.done else state.context(builder)
         if on_step is not None:
             await on_step(StepRecord(step_index, context, acted, result, next_context, latency,

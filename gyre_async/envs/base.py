@@ -103,6 +103,14 @@ class Env(abc.ABC):
         """Actions that are meaningful now; ``[]`` when the environment cannot say."""
         return []
 
+    def task(self) -> str:
+        """The task as the environment states it now: the goal, and what the episode has
+        revealed of it since (CookingWorld: the recipe, once read). Segment contexts open
+        with it, so a segment that opens mid-episode still knows what it is for; it must
+        follow from the reset and the actions alone (a rebuilt episode gets it again).
+        ``""``: the environment cannot say (its first observation is the only statement)."""
+        return ""
+
     async def close(self) -> None:  # noqa: B027 - optional hook: most environments hold nothing
         """Release resources (processes, sockets). Idempotent."""
 

@@ -93,6 +93,9 @@ class FaultyEnv(Env):
     def admissible_actions(self) -> list[str]:
         return self.inner.admissible_actions()
 
+    def task(self) -> str:
+        return self.inner.task()
+
     async def close(self) -> None:
         await self.inner.close()
 

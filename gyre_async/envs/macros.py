@@ -179,6 +179,9 @@ class MacroEnv(Env):
         inner = self.inner.admissible_actions()
         return [*inner, *self.macros] if inner else []
 
+    def task(self) -> str:
+        return self.inner.task()
+
     async def close(self) -> None:
         await self.inner.close()
 

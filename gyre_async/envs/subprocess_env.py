@@ -59,6 +59,7 @@ class _Answer(msgspec.Struct):
     error: str = ""
     observation: str = ""
     result: dict[str, Any] | None = None
+    task: str = ""
 
 
 def _build_inner(inner: str, config: dict[str, Any]) -> Env:
@@ -80,6 +81,7 @@ class SubprocessEnv(Env):
         self.max_steps = int(max_steps) or 10**9
         self._proc: asyncio.subprocess.Process | None = None
         self._actions: list[str] = []
+        self._task = ""
 
     # -- Env API ----------------------------------------------------------------------------
     async def reset(self, task_id: str, seed: int) -> str:
@@ -90,6 +92,7 @@ class SubprocessEnv(Env):
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
             limit=MAX_LINE_BYTES)
         answer = await self._call(_Request("reset", task_id=task_id, seed=seed))
+        self._task = answer.task
         return answer.observation
 
     async def step(self, action: str) -> StepResult:
@@ -97,10 +100,14 @@ class SubprocessEnv(Env):
         r = dict(answer.result or {})
         r["milestones"] = tuple(msgspec.convert(m, Milestone) for m in r.get("milestones", ()))
         self._actions = r.pop("admissible", [])
+        self._task = answer.task
         return StepResult(observation=answer.observation, **r)
 
     def admissible_actions(self) -> list[str]:
         return list(self._actions)
+
+    def task(self) -> str:
+        return self._task
 
     async def close(self) -> None:
         proc, self._proc = self._proc, None
@@ -171,7 +178,7 @@ def _serve(inner: str, memory_mb: int, cpu_s: float, config: dict[str, Any]) -> 
         try:
             if request.op == "reset":
                 obs = asyncio.run(env.reset(request.task_id, request.seed))
-                answer = _Answer(True, observation=obs)
+                answer = _Answer(True, observation=obs, task=env.task())
             elif request.op == "step":
                 r = asyncio.run(env.step(request.action))
                 result = {k: getattr(r, k) for k in ("feedback", "done", "truncated",
@@ -180,7 +187,8 @@ def _serve(inner: str, memory_mb: int, cpu_s: float, config: dict[str, Any]) -> 
                 result["info"] = msgspec.to_builtins(r.info, str_keys=True,
                                                      enc_hook=repr)
                 result["admissible"] = env.admissible_actions()
-                answer = _Answer(True, observation=r.observation, result=result)
+                answer = _Answer(True, observation=r.observation, result=result,
+                                 task=env.task())
             else:
                 answer = _Answer(False, error=f"unknown request {request.op!r}")
         except MemoryError:

@@ -50,6 +50,7 @@ class Turn:
     lost: bool = False
     progress: dict[str, str] = field(default_factory=dict)
     raw_score: float = 0.0
+    task: str = ""  # the task as known from now on (:meth:`Env.task`); "": unchanged
 
 
 def words(text: str) -> list[str]:
@@ -104,6 +105,7 @@ class TextGameEnv(Env):
         self._reached: set[str] = set()
         self._score = 0.0
         self._steps = 0
+        self._task = ""
         self._lock = threading.Lock()
 
     # -- hooks (blocking; called on a worker thread) ---------------------------------------
@@ -144,6 +146,9 @@ class TextGameEnv(Env):
     def admissible_actions(self) -> list[str]:
         return list(self._valid)
 
+    def task(self) -> str:
+        return self._task
+
     async def close(self) -> None:
         await asyncio.to_thread(self._release)
 
@@ -159,6 +164,7 @@ class TextGameEnv(Env):
             self._steps = 0
             self._score = turn.score
             self._reached = set(turn.progress)
+            self._task = " ".join(turn.task.split())
             self._valid = self._valid_actions() if self.admissible != "off" else []
             return self._present(turn.observation)
 
@@ -169,6 +175,8 @@ class TextGameEnv(Env):
                 executed = snap_action(action, self._valid)
             turn = self._act(executed)
             self._steps += 1
+            if turn.task:
+                self._task = " ".join(turn.task.split())
             new = tuple(Milestone(name=name, proof=proof)
                         for name, proof in turn.progress.items() if name not in self._reached)
             self._reached.update(m.name for m in new)

@@ -11,6 +11,7 @@ Demonstrations: the game's walkthrough. Won/lost come from the game's own win/fa
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -105,7 +106,8 @@ class TextWorldEnv(TextGameEnv):
                 self._env = textworld.start(path, request_infos=infos)
             self._path = path
         state = self._require_env().reset()
-        return self._turn(state, f"{state['objective']} {state['description']}")
+        turn = self._turn(state, f"{state['objective']} {state['description']}")
+        return dataclasses.replace(turn, task=_clean(state["objective"] or ""))
 
     def _turn(self, state, observation: str) -> Turn:
         self._state = state

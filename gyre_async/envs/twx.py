@@ -5,7 +5,10 @@ Games: cookingworld, twc, coin, mapreader, arithmetic, sorting, simonsays, pecki
 ``params`` is the simulator's game-parameter string. Splits are the simulator's folds
 (``train``, ``dev``, ``test``: disjoint seed ranges); the episode seed indexes the fold's
 seed list. Milestones: each point of the game's partial score (``scoreRaw``), proven by the
-simulator's score counter. Demonstrations: the simulator's gold action sequence.
+simulator's score counter. Demonstrations: the simulator's gold action sequence. The task
+(:meth:`Env.task`): the simulator's task description, and in CookingWorld the recipe too
+once the cookbook has been read (what the agent must still know when a segment context
+opens after it).
 All instances in a process share one JVM (:mod:`.jvm`).
 """
 
@@ -15,6 +18,10 @@ import json
 
 from gyre_async.envs.jvm import new_interface
 from gyre_async.envs.text_games import TextGameEnv, Turn, register_text_game
+
+#: How CookingWorld's cookbook begins when read: that observation is the recipe, part of the
+#: task from then on.
+RECIPE_OPENING = "Gather all following ingredients"
 
 
 class TextWorldExpressEnv(TextGameEnv):
@@ -38,6 +45,7 @@ class TextWorldExpressEnv(TextGameEnv):
         self._seeds = list(fold())
         self._info: dict = {}
         self._gold: list[str] = []
+        self._description = ""
 
     def _turn(self, response: str, first: bool = False) -> Turn:
         info = json.loads(response)
@@ -45,11 +53,16 @@ class TextWorldExpressEnv(TextGameEnv):
         raw = float(info.get("scoreRaw", 0.0))
         progress = {f"points:{k}": f"scoreRaw={raw:g}" for k in range(1, int(raw) + 1)}
         observation = info["observation"]
+        task = ""
         if first:
-            observation = f"{self._server.getTaskDescription()} {observation}"
+            self._description = self._server.getTaskDescription()
+            observation = f"{self._description} {observation}"
+            task = self._description
+        elif observation.lstrip().startswith(RECIPE_OPENING):
+            task = f"{self._description} {observation.strip()}"
         return Turn(observation=observation, score=float(info.get("score", 0.0)),
                     won=bool(info.get("tasksuccess")), lost=bool(info.get("taskfailure")),
-                    progress=progress, raw_score=raw)
+                    progress=progress, raw_score=raw, task=task)
 
     def _start(self, task_id: str, seed: int) -> Turn:
         game_seed = self._seeds[seed % len(self._seeds)]

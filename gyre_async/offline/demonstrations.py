@@ -2,15 +2,18 @@
 
 Format: JSON Lines, one episode per line (``format`` names the version)::
 
-    {"format": "gyre-demonstration/1", "env": "twx", "env_config": {"game": "twc", ...},
+    {"format": "gyre-demonstration/2", "env": "twx", "env_config": {"game": "twc", ...},
      "task_id": "twx:3", "seed": 3, "source": "gold", "success": true, "score": 1.0,
      "steps": [{"observation": "...", "action": "take dirty teal dress",
-                "milestones": ["points:1"]}, ...]}
+                "milestones": ["points:1"], "task": "..."}, ...]}
 
 - ``observation`` is exactly what the environment adapter returned before the action (what
   the sampler's context builder read), ``action`` the text the agent wrote, ``milestones``
   the names of those the action reached (the context's milestone summary is rebuilt from
-  them). So :func:`training_pairs` rebuilds the very contexts the sampler would have built.
+  them). ``task`` is the environment's statement of the task when the observation was
+  seen (``Env.task``: segment openings hold it). So :func:`training_pairs` and
+  :func:`training_segments` rebuild the very contexts the sampler would have built.
+  Version 1 files (no ``task``) still give window contexts; segment contexts need version 2.
 - ``source``: ``gold`` (a simulator's gold path), ``walkthrough`` (TextWorld), or
   ``export:<run_id>`` (a successful online trajectory, see :mod:`gyre_async.offline.export`).
 - ``env`` / ``env_config`` / ``task_id`` / ``seed`` identify the episode, so it can be
@@ -34,13 +37,16 @@ from gyre_async.policy.context import ContextBuilder
 from schemas.config import SegmenterConfig
 from schemas.events import Milestone
 
-FORMAT = "gyre-demonstration/1"
+FORMAT = "gyre-demonstration/2"
+#: the format before steps carried the task (window contexts only need what it has)
+FORMAT_V1 = "gyre-demonstration/1"
 
 
 class DemoStep(msgspec.Struct, kw_only=True):
     observation: str
     action: str
     milestones: list[str] = []
+    task: str = ""
 
 
 class Demonstration(msgspec.Struct, kw_only=True):
@@ -77,7 +83,7 @@ def read_demonstrations(path: str) -> list[Demonstration]:
             except msgspec.ValidationError as exc:
                 raise ValueError(f"{path}:{n}: not a demonstration ({exc}); see "
                                  "gyre_async/offline/demonstrations.py for the format") from None
-            if demo.format != FORMAT:
+            if demo.format not in (FORMAT, FORMAT_V1):
                 raise ValueError(f"{path}:{n}: format {demo.format!r}, this build reads {FORMAT!r}")
             out.append(demo)
     return out
@@ -90,9 +96,10 @@ def replay(env: TextGameEnv, actions: Sequence[str], task_id: str, seed: int, *,
     steps: list[DemoStep] = []
     success, score = False, 0.0
     for action in actions:
+        task = env.task()
         result = env.step_sync(action)
         steps.append(DemoStep(observation=observation, action=action,
-                              milestones=[m.name for m in result.milestones]))
+                              milestones=[m.name for m in result.milestones], task=task))
         observation, success, score = result.observation, result.success, result.score
         if result.over:
             break
@@ -179,11 +186,17 @@ def training_segments(demos: Iterable[Demonstration], builder: ContextBuilder,
     for demo in demos:
         if successful_only and not demo.success or not demo.steps:
             continue
+        if demo.format == FORMAT_V1:
+            raise ValueError(f"demonstration {demo.task_id} ({demo.source}) is {FORMAT_V1}, "
+                             "written before steps carried the task, which segment contexts "
+                             "open with: record it again with this build (gold paths are "
+                             "recorded when no demonstration file is given)")
         written = [tokens_of(step.action) for step in demo.steps]
         if any(tokens is None for tokens in written):
             left_out += len(demo.steps)
             continue
-        state = EpisodeState.first(demo.steps[0].observation, builder, segments)
+        state = EpisodeState.first(demo.steps[0].observation, builder, segments,
+                                   demo.steps[0].task)
         sequence: list[int] = []
         decisions: list[tuple[int, int]] = []
         for i, (step, tokens) in enumerate(zip(demo.steps, written)):
@@ -198,7 +211,8 @@ def training_segments(demos: Iterable[Demonstration], builder: ContextBuilder,
                                 feedback=0.0, done=last, truncated=False,
                                 success=last and demo.success, score=0.0,
                                 milestones=reached, state_changed=bool(reached))
-            if state.advance(builder, step.action, tokens, result).boundary is not None:
+            after = "" if last else demo.steps[i + 1].task
+            if state.advance(builder, step.action, tokens, result, after).boundary is not None:
                 out.append(SegmentExample(sequence, decisions))
                 decisions = []
     return out, left_out

@@ -24,7 +24,8 @@ and the learner re-evaluates exactly those).
 
 Segment contexts (``mode = "segment"``, ``policy.context``) are one append-only sequence per
 training segment instead: :meth:`ContextBuilder.opening` is the context of a segment's
-first step (the window above with no past turns: prompt, milestone summary, observation),
+first step (the window above with no past turns, and the task as the environment states it
+after the preamble: ``<bos> [<task> task] [<sum> summary] [shot] <obs> o <act>``),
 and :meth:`ContextBuilder.continuation` what the next step appends after the action's own
 tokens, so every context is an exact prefix of the next one. Where a segment, and so its
 context, closes is not decided here (``gyre_async.core.segmenter.segment_boundary``).
@@ -52,8 +53,8 @@ class ContextBuilder:
         self.history_turns = history_turns
         self.summary_max_tokens = (max_tokens // 4 if summary_max_tokens is None
                                    else summary_max_tokens)
-        self._bos, self._obs, self._act, self._sum, self._shot = (
-            tokenizer.marker(m) for m in ("bos", "obs", "act", "sum", "shot"))
+        self._bos, self._obs, self._act, self._sum, self._shot, self._task = (
+            tokenizer.marker(m) for m in ("bos", "obs", "act", "sum", "shot", "task"))
         fixed = len(self._bos) + len(self._shot) + len(self._obs) + len(self._act)
         if max_tokens < fixed + 1:
             raise ValueError(f"ContextBuilder: max_tokens must be >= {fixed + 1} (the markers "
@@ -66,10 +67,12 @@ class ContextBuilder:
                 *t.encode(action)]
 
     def build(self, current_observation: str, history: Sequence[tuple[str, str]] = (),
-              milestone_summary: str = "") -> list[int]:
+              milestone_summary: str = "", task: str = "") -> list[int]:
         """The context for choosing the next action; never longer than ``max_tokens``.
 
         ``history`` holds (observation, action) pairs, oldest first; only its tail is read.
+        ``task`` (segment openings only, see :meth:`opening`) goes before the summary, cut
+        like it: at most ``summary_max_tokens``, newest tokens kept, after the summary.
         """
         t = self.tokenizer
         room = self.max_tokens - len(self._bos) - len(self._shot)
@@ -83,6 +86,12 @@ class ContextBuilder:
             body = t.encode(milestone_summary)
             summary = [*self._sum, *body[max(0, len(body) - budget):]]
             room -= len(summary)
+        stated: list[int] = []
+        budget = min(room, self.summary_max_tokens) - len(self._task)
+        if task and budget > 0:
+            body = t.encode(task)
+            stated = [*self._task, *body[max(0, len(body) - budget):]]
+            room -= len(stated)
         turns: list[list[int]] = []
         if self.history_turns:
             n = len(history)  # index from the end: O(1) for lists, tuples and deques
@@ -93,7 +102,7 @@ class ContextBuilder:
                     break
                 turns.append(tokens)
                 room -= len(tokens)
-        out = [*self._bos, *summary, *self._shot]
+        out = [*self._bos, *stated, *summary, *self._shot]
         for tokens in reversed(turns):
             out.extend(tokens)
         out.extend(current)
@@ -105,9 +114,15 @@ class ContextBuilder:
         """True when contexts are segment sequences (see the module docstring)."""
         return self.mode == "segment"
 
-    def opening(self, observation: str, milestone_summary: str = "") -> list[int]:
-        """The context of a segment's first step: prompt, summary, the observation."""
-        return self.build(observation, (), milestone_summary)
+    def opening(self, observation: str, milestone_summary: str = "", task: str = "") -> list[int]:
+        """The context of a segment's first step: prompt, task, summary, the observation.
+
+        ``task`` is the environment's statement of it (:meth:`gyre_async.envs.base.Env.task`):
+        a segment that opens mid-episode has no earlier turn that stated it. It is left out
+        when the observation already holds it whole (a game's first observation often does).
+        """
+        return self.build(observation, (), milestone_summary,
+                          "" if task in observation else task)
 
     def continuation(self, action_tokens: Sequence[int], observation: str) -> list[int]:
         """What a segment context appends after an action's own tokens to become the next

@@ -80,6 +80,7 @@ EXAMPLE_TURN = ("<|im_end|>\n<|im_start|>user\n" + chat_observation(present_hint
     + "<|im_end|>\n<|im_start|>assistant\ntake shovel")
 CHATML_MARKERS = {
     "bos": "<|im_start|>system\n" + SYSTEM_PROMPT,
+    "task": "\nTask: ",
     "sum": "\nProgress: ",
     "shot": EXAMPLE_TURN,
     "obs": "<|im_end|>\n<|im_start|>user\n",
@@ -87,7 +88,7 @@ CHATML_MARKERS = {
     "sep": "\n",
 }
 PLAIN_MARKERS = {"obs": "\nObservation: ", "act": "\nAction: ", "sum": "Progress: ",
-                 "sep": "\n"}
+                 "task": "Task: ", "sep": "\n"}
 VALUE_HEAD = "value_head."
 
 

@@ -47,12 +47,13 @@ class BaseTokenizer:
         raise NotImplementedError
 
     def marker(self, name: str) -> list[int]:
-        """Tokens of a context marker: ``"bos"``, ``"obs"``, ``"act"``, ``"sum"``, ``"sep"``
+        """Tokens of a context marker: ``"bos"``, ``"obs"``, ``"act"``, ``"sum"``, ``"sep"``,
+        ``"task"`` (the task follows, in segment openings: ``<sep>`` for word-level models)
         or ``"shot"`` (a worked example after the preamble: none for word-level models)."""
         if name == "shot":
             return []
         return [{"bos": self.bos_id, "obs": self.obs_id, "act": self.act_id,
-                 "sum": self.sum_id, "sep": self.sep_id}[name]]
+                 "sum": self.sum_id, "sep": self.sep_id, "task": self.sep_id}[name]]
 
     @property
     def stop_ids(self) -> frozenset[int]:

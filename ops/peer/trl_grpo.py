@@ -188,7 +188,8 @@ class GameRollouts:
         steps = [0] * len(seeds)
         for i, seed in enumerate(seeds):
             observation = self._env(i).reset_sync(f"twx:{seed}", seed)
-            states.append(EpisodeState.first(observation, self.builder, self.segments))
+            states.append(EpisodeState.first(observation, self.builder, self.segments,
+                                             self._env(i).task()))
             prompt_ids.append(states[i].context(self.builder))
             sequence.append(list(prompt_ids[i]))
         running = list(range(len(seeds)))
@@ -200,7 +201,7 @@ class GameRollouts:
                 tokens = list(tokens)[: self.max_action_tokens]
                 text = t.decode(tokens).strip()
                 result = self._env(i).step_sync(text)
-                states[i].advance(self.builder, text, tokens, result)
+                states[i].advance(self.builder, text, tokens, result, self._env(i).task())
                 steps[i] += 1
                 self.tally.env_steps += 1
                 completion[i] += tokens

@@ -314,8 +314,9 @@ class LearnerConfig(Strict):
     whose activations are ~2 MB per context token). 0: the whole minibatch in one pass."""
     micro_tokens: CountOrZero = 0
     """Segments read as one sequence each (``policy.context = "segment"``): a forward/
-    backward pass holds whole segments up to this many tokens (a longer segment gets a pass
-    of its own), so memory follows tokens, not steps. 0: one pass per minibatch."""
+    backward pass holds whole segments of similar lengths up to this many tokens, padding
+    to the pass's longest included (a longer segment gets a pass of its own), so memory
+    follows tokens, not steps. 0: one pass per minibatch."""
     gamma: float = 0.99
     """Discount."""
     lam: float = 0.95

@@ -265,6 +265,36 @@ def test_prepare_batch_reads_sequences_once_with_the_values_of_each_step(tmp_pat
     assert torch.allclose(one.proximal_logprobs, other.proximal_logprobs, atol=1e-5)
 
 
+def test_the_values_pass_packs_sequences_of_similar_lengths_within_its_token_budget(
+        tmp_path, monkeypatch):
+    """Sequences are not padded to the batch's longest: passes of similar lengths, at most
+    VALUES_PASS_TOKENS padded tokens each (one longer sequence alone), the same figures."""
+    from gyre_async.core import learner_batch
+
+    store, scored, _ = scored_batch(tmp_path)
+    policy = tiny_policy(seed=1)
+    items = [BatchItem(s, a) for s, a in zip(scored, store.read_many([s.address
+                                                                      for s in scored]))]
+    whole = prepare_batch(policy, items, 0.99, 0.95, with_logprobs=True)
+    passes: list[list[int]] = []
+    read = policy.evaluate_sequences
+
+    def spy(sequences, decisions):
+        passes.append([len(s) for s in sequences])
+        return read(sequences, decisions)
+
+    monkeypatch.setattr(policy, "evaluate_sequences", spy)
+    monkeypatch.setattr(learner_batch, "VALUES_PASS_TOKENS", 150)
+    packed = prepare_batch(policy, items, 0.99, 0.95, with_logprobs=True)
+    assert len(passes) > 1 and sum(map(len, passes)) == len(whole.sequences)
+    assert all(len(p) == 1 or max(p) * len(p) <= 150 for p in passes)
+    assert all(p == sorted(p, reverse=True) for p in passes)
+    assert torch.allclose(packed.values, whole.values, atol=1e-5)
+    assert torch.allclose(packed.proximal_logprobs, whole.proximal_logprobs, atol=1e-5)
+    assert learner_batch.pack_by_length([5, 9, 2, 9, 4], 18) == [[1, 3], [0, 4, 2]]
+    assert learner_batch.pack_by_length([30, 2], 10) == [[0], [1]]
+
+
 def _rows(contexts: list[list[int]]):
     import numpy as np
 
@@ -287,7 +317,8 @@ def test_micro_batches_by_tokens_give_the_minibatchs_update(tmp_path):
         accumulate = core.policy.evaluate_sequences
 
         def spy(sequences, decisions, accumulate=accumulate, passes=passes):
-            passes.append([len(s) for s in sequences])
+            if torch.is_grad_enabled():  # the PPO passes (the values' pass has no grad)
+                passes.append([len(s) for s in sequences])
             return accumulate(sequences, decisions)
         core.policy.evaluate_sequences = spy
         core.publish("init", CheckpointRef("x", "0" * 64, 0), "learner", {})
@@ -299,8 +330,9 @@ def test_micro_batches_by_tokens_give_the_minibatchs_update(tmp_path):
                                 for k, v in core.policy.model.state_dict().items()}, passes)
     whole, whole_passes = moved[0]
     split, split_passes = moved[250]
-    # the first pass is the values' (no grad, the whole batch); then the PPO passes
-    assert max(sum(p) for p in split_passes[1:]) <= 250 < max(sum(p) for p in whole_passes)
+    # a pass holds at most 250 tokens counting the padding to its longest sequence
+    assert max(max(p) * len(p) for p in split_passes) <= 250 < max(sum(p) for p in whole_passes)
+    assert sum(map(len, split_passes)) == sum(map(len, whole_passes))  # every segment, once
     for name, expected in whole.items():
         assert torch.allclose(split[name], expected, rtol=0, atol=1e-6), name
 

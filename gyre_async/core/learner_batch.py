@@ -145,18 +145,63 @@ def evaluate_steps(policy, contexts: list[list[int]], actions: list[list[int]],
                       mask=cat("mask"))
 
 
+#: padded tokens one pass without grad reads at most when segments are one sequence each:
+#: sequences are packed longest first (:func:`pack_by_length`), so a short one is not padded
+#: to the batch's longest (reading a long-task batch whole computed 2.8x its tokens)
+VALUES_PASS_TOKENS = 4096
+
+
+def pack_by_length(lengths: Sequence[int], budget: int) -> list[list[int]]:
+    """Indices of ``lengths`` grouped into passes, longest first, each holding at most
+    ``budget`` tokens once its rows are padded to its longest (a longer one goes alone).
+    Padding is computed like any token, so grouping by length is what keeps it small."""
+    passes: list[list[int]] = []
+    width = 0
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        if passes and width * (len(passes[-1]) + 1) <= budget:
+            passes[-1].append(i)
+        else:
+            passes.append([i])
+            width = lengths[i]
+    return passes
+
+
+def read_units(rows: Sequence[int], contexts: list[list[int]], actions: list[list[int]],
+               sequence_of: Sequence[int]) -> tuple[list[list[int]], list[int]]:
+    """``rows`` as they are read together (the steps of one sequence; else one step), in
+    their order, and the tokens each unit's pass reads (its sequence up to its last action)."""
+    units: list[list[int]] = []
+    where: dict[int, int] = {}
+    for i in rows:
+        k = sequence_of[i] if sequence_of else -1
+        if k < 0:
+            units.append([i])
+        elif k in where:
+            units[where[k]].append(i)
+        else:
+            where[k] = len(units)
+            units.append([i])
+    return units, [max(len(contexts[i]) + len(actions[i]) for i in unit) for unit in units]
+
+
 def values_and_logprobs(policy, contexts: list[list[int]], actions: list[list[int]],
                         chunk: int = 1024, sequences: Sequence[list[int]] = (),
                         sequence_of: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor]:
     """Values of ``contexts`` and log-probs [n, longest action] of ``actions``, from one
     forward pass without grad (the value is read at the last context token, before the
     action, so it is the value :meth:`values` gives). Steps of one-sequence segments are
-    read a segment at a time (:func:`evaluate_steps`)."""
+    read a segment at a time (:func:`evaluate_steps`), in passes of similar lengths of at
+    most :data:`VALUES_PASS_TOKENS` padded tokens; window contexts ``chunk`` rows a pass."""
     n, width = len(contexts), max((len(a) for a in actions), default=1)
     values, logprobs = torch.zeros(n), torch.zeros(n, width)
+    if sequences:
+        units, lengths = read_units(range(n), contexts, actions, sequence_of)
+        passes = [[i for u in group for i in units[u]]
+                  for group in pack_by_length(lengths, VALUES_PASS_TOKENS)]
+    else:
+        passes = [list(range(start, min(n, start + chunk))) for start in range(0, n, chunk)]
     with torch.no_grad():
-        for start in range(0, n, chunk):
-            rows = list(range(start, min(n, start + chunk)))
+        for rows in passes:
             out = evaluate_steps(policy, contexts, actions, rows, sequences, sequence_of)
             values[rows] = out.values.float()
             logprobs[rows, : out.logprobs.shape[1]] = out.logprobs.float()

@@ -17,7 +17,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from gyre_async.core.learner_batch import PreparedBatch, evaluate_steps
+from gyre_async.core.learner_batch import (
+    PreparedBatch,
+    evaluate_steps,
+    pack_by_length,
+    read_units,
+)
 from gyre_async.core.learner_dp import DataParallel
 from gyre_async.rl.finite import check_batch_finite, check_loss_finite
 from gyre_async.rl.ppo import broadcast_step_advantages, ppo_policy_loss, value_loss
@@ -109,21 +114,14 @@ class PpoEpochs:
         return out
 
     def _micro_batches(self, rows: list[int]) -> list[list[int]]:
-        """``rows`` in forward/backward passes: whole segments up to ``micro_tokens``
-        tokens (one-sequence segments), else at most ``micro_steps`` rows."""
+        """``rows`` in forward/backward passes: whole segments, longest first, up to
+        ``micro_tokens`` tokens a pass counting the padding to its longest (one-sequence
+        segments), else at most ``micro_steps`` rows."""
         prep, settings = self.prep, self.settings
         if prep.sequences and settings.micro_tokens > 0:
-            groups: list[list[int]] = []
-            tokens = 0
-            for row_group in self._row_units(rows):
-                size = max(len(prep.contexts[i]) + len(prep.actions[i]) for i in row_group)
-                if groups and tokens + size <= settings.micro_tokens:
-                    groups[-1] += row_group
-                    tokens += size
-                else:
-                    groups.append(list(row_group))
-                    tokens = size
-            return groups
+            units, lengths = read_units(rows, prep.contexts, prep.actions, prep.sequence_of)
+            return [[i for u in group for i in units[u]]
+                    for group in pack_by_length(lengths, settings.micro_tokens)]
         micro = settings.micro_steps
         if micro <= 0 or len(rows) <= micro:
             return [rows]
@@ -131,18 +129,8 @@ class PpoEpochs:
 
     def _row_units(self, rows: list[int]) -> list[list[int]]:
         """``rows`` grouped as read together (see :attr:`units`), in their order."""
-        groups: dict[int, list[int]] = {}
-        out: list[list[int]] = []
-        for i in rows:
-            k = self.prep.sequence_of[i]
-            if k < 0:
-                out.append([i])
-            elif k in groups:
-                groups[k].append(i)
-            else:
-                groups[k] = [i]
-                out.append(groups[k])
-        return out
+        prep = self.prep
+        return read_units(rows, prep.contexts, prep.actions, prep.sequence_of)[0]
 
     def _evaluate(self, rows: list[int]):
         prep = self.prep

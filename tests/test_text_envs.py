@@ -293,6 +293,22 @@ def test_later_segments_open_with_the_task_the_recipe_and_what_the_milestones_to
     assert state.context(builder) == played[after_first_milestone]
 
 
+def test_cloning_passes_hold_segments_of_similar_lengths_within_the_token_budget():
+    from gyre_async.offline.demonstrations import SegmentExample
+    from gyre_async.offline.warmstart import token_batches
+
+    lengths = [50, 400, 60, 380, 45, 900]
+    segs = [SegmentExample(list(range(n)), [(1, 1), (2, 1)]) for n in lengths]
+    steps = list(token_batches(segs, list(range(6)), 6, 800))
+    assert [sum(len(p) for p in passes) for passes in steps] == [3, 3]
+    for passes in steps:
+        assert all(len(p) == 1 or max(len(s.sequence) for s in p) * len(p) <= 800
+                   for p in passes)
+    assert [[len(s.sequence) for s in p] for p in steps[0]] == [[400, 60], [50]]
+    assert [[len(s.sequence) for s in p] for p in steps[1]] == [[900], [380, 45]]
+    assert list(token_batches(segs, [0, 1], 4, 0)) == [[[segs[0], segs[1]]]]
+
+
 def test_segment_cloning_takes_the_step_that_cloning_each_context_apart_takes(tmp_path,
                                                                               monkeypatch):
     """One gradient step of behaviour cloning read off whole segments moves the weights as

@@ -36,6 +36,7 @@ from gyre_async.compose import (
     build_tokenizer,
     save_weights,
 )
+from gyre_async.core.learner_batch import pack_by_length
 from gyre_async.errors import ConfigError
 from gyre_async.offline.demonstrations import (
     Demonstration,
@@ -163,19 +164,19 @@ def behaviour_clone(policy: Policy, examples: list[tuple[list[int], list[int]]],
 def token_batches(segments: list[SegmentExample], order: list[int], steps: int,
                   tokens: int) -> Iterator[list[list[SegmentExample]]]:
     """Segments in ``order``, as gradient steps of about ``steps`` demonstration steps each,
-    every one split into forward passes of at most ``tokens`` sequence tokens (a longer
-    segment gets a pass of its own; 0: one pass per gradient step)."""
+    every one split into forward passes of similar lengths of at most ``tokens`` tokens
+    counting the padding to the pass's longest (the learner's packing,
+    :func:`~gyre_async.core.learner_batch.pack_by_length`; a longer segment gets a pass of
+    its own; 0: one pass per gradient step)."""
     batch: list[SegmentExample] = []
     for n, i in enumerate(order, 1):
         batch.append(segments[i])
         if sum(len(s.decisions) for s in batch) >= steps or n == len(order):
-            passes: list[list[SegmentExample]] = [[]]
-            for segment in batch:
-                held = sum(len(s.sequence) for s in passes[-1])
-                if passes[-1] and tokens and held + len(segment.sequence) > tokens:
-                    passes.append([])
-                passes[-1].append(segment)
-            yield passes
+            if not tokens:
+                yield [batch]
+            else:
+                yield [[batch[k] for k in group] for group in
+                       pack_by_length([len(s.sequence) for s in batch], tokens)]
             batch = []
 
 

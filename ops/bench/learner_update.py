@@ -143,16 +143,29 @@ def gyre_updates(cfg, policy, items, updates: int, profile_out: str) -> tuple[fl
     return seconds / updates, split
 
 
+def packed(items: list, budget: int) -> list[list]:
+    """Sequences longest first, a pass holding at most ``budget`` tokens once padded to its
+    longest: what a plain training loop does to keep padding small (written out here, so
+    the raw side runs without Gyre's code, against any Gyre commit)."""
+    ordered = sorted(items, key=lambda x: -int(x.arrays["sequence_len"][0]))
+    out: list[list] = []
+    for x in ordered:
+        if out and int(out[-1][0].arrays["sequence_len"][0]) * (len(out[-1]) + 1) <= budget:
+            out[-1].append(x)
+        else:
+            out.append([x])
+    return out
+
+
 def raw_updates(cfg, items, updates: int) -> float:
     """Seconds per update of plain transformers + peft on the same sequences: one
     forward+backward per micro-batch (whole sequences of similar lengths up to
-    ``micro_tokens`` padded tokens, as Gyre packs them),
+    ``micro_tokens`` padded tokens: :func:`packed`),
     loss on the action tokens, AdamW stepped per minibatch of ``minibatch_steps`` steps."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from gyre_async.core.learner_batch import pack_by_length
     from gyre_async.policy.smollm2 import ensure_converted
 
     lora = cfg.policy.lora
@@ -171,9 +184,7 @@ def raw_updates(cfg, items, updates: int) -> float:
     started = time.perf_counter()
     for _ in range(updates * settings.epochs):
         for mb in minibatches:
-            lengths = [int(x.arrays["sequence_len"][0]) for x in mb]
-            micro = [[mb[i] for i in group]  # Gyre's packing: similar lengths together
-                     for group in pack_by_length(lengths, settings.micro_tokens)]
+            micro = packed(mb, settings.micro_tokens)
             for part in micro:
                 width = max(int(x.arrays["sequence_len"][0]) for x in part)
                 ids = torch.zeros(len(part), width, dtype=torch.long)

@@ -80,18 +80,10 @@ class ContextBuilder:
         obs = obs[max(0, len(obs) - (room - len(self._obs) - len(self._act))):]
         current = [*self._obs, *obs, *self._act]
         room -= len(current)
-        summary: list[int] = []
-        budget = min(room, self.summary_max_tokens) - len(self._sum)
-        if milestone_summary and budget > 0:
-            body = t.encode(milestone_summary)
-            summary = [*self._sum, *body[max(0, len(body) - budget):]]
-            room -= len(summary)
-        stated: list[int] = []
-        budget = min(room, self.summary_max_tokens) - len(self._task)
-        if task and budget > 0:
-            body = t.encode(task)
-            stated = [*self._task, *body[max(0, len(body) - budget):]]
-            room -= len(stated)
+        summary = self._headed(self._sum, milestone_summary, room)
+        room -= len(summary)
+        stated = self._headed(self._task, task, room)
+        room -= len(stated)
         turns: list[list[int]] = []
         if self.history_turns:
             n = len(history)  # index from the end: O(1) for lists, tuples and deques
@@ -108,6 +100,14 @@ class ContextBuilder:
         out.extend(current)
         return out
 
+    def _headed(self, marker: list[int], text: str, room: int) -> list[int]:
+        """``marker`` and the newest tokens of ``text``: at most ``summary_max_tokens`` and
+        ``room`` in all (nothing when ``text`` is empty or no token fits)."""
+        budget = min(room, self.summary_max_tokens) - len(marker)
+        if not text or budget <= 0:
+            return []
+        body = self.tokenizer.encode(text)
+        return [*marker, *body[max(0, len(body) - budget):]]
 
     @property
     def segments(self) -> bool:

@@ -55,9 +55,11 @@ def test_the_long_task_flag_sets_what_the_command_line_leaves_alone():
     bench.apply_long_task(args, argv)
     assert args.max_steps == 70  # given: kept
     assert (args.env, args.twx_game, args.context) == ("twx", "cookingworld", "segment")
-    assert args.test_episodes == 96 and args.warmstart_demos == 0
+    assert args.test_episodes == 96
+    assert (args.warmstart_demos, args.warmstart_epochs) == (16, 2)
     cfg = bench.bench_config(args)
     assert cfg.task.env_config["params"] == bench.LONG_TASK["twx_params"]
+    assert cfg.task.env_config["max_hint_actions"] == 72
     assert cfg.policy.context == "segment" and cfg.run.mode == "async"
     assert cfg.learner.credit == "fusion"
 

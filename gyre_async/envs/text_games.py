@@ -53,6 +53,12 @@ class Turn:
     task: str = ""  # the task as known from now on (:meth:`Env.task`); "": unchanged
 
 
+def one_line(text: str) -> str:
+    """``text`` with every run of whitespace (line breaks too) one space: how observations
+    and the task are presented."""
+    return " ".join(text.split())
+
+
 def words(text: str) -> list[str]:
     """The word tokenizer's split of ``text`` (lower-cased words, digits, punctuation)."""
     return _WORD.findall(text.lower())
@@ -164,7 +170,7 @@ class TextGameEnv(Env):
             self._steps = 0
             self._score = turn.score
             self._reached = set(turn.progress)
-            self._task = " ".join(turn.task.split())
+            self._task = one_line(turn.task)
             self._valid = self._valid_actions() if self.admissible != "off" else []
             return self._present(turn.observation)
 
@@ -176,7 +182,7 @@ class TextGameEnv(Env):
             turn = self._act(executed)
             self._steps += 1
             if turn.task:
-                self._task = " ".join(turn.task.split())
+                self._task = one_line(turn.task)
             new = tuple(Milestone(name=name, proof=proof)
                         for name, proof in turn.progress.items() if name not in self._reached)
             self._reached.update(m.name for m in new)
@@ -192,7 +198,7 @@ class TextGameEnv(Env):
                 info={"executed": executed, "raw_score": turn.raw_score})
 
     def _present(self, observation: str) -> str:
-        text = " ".join(observation.split())
+        text = one_line(observation)
         if self.admissible == "hint":
             text = present_hint(self._valid[: self.max_hint_actions], text)
         return text

@@ -32,13 +32,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 #: the update's parts as the profile names them (cumulative seconds of each function)
 PARTS = {
     "values_pass": ("learner_batch.py", "values_and_logprobs"),
-    "bootstrap_values": ("hf_policy.py", "values"),
+    "bootstrap_values": ("torch_policy.py", "values"),
     "ppo_epochs": ("learner_ppo.py", "run"),
     "ppo_forward_backward": ("learner_ppo.py", "_minibatch_loss"),
     "optimizer_step": ("adam.py", "step"),
     "critic_start": ("critic.py", "start"),
     "critic_refit": ("learner.py", "_refit"),
-    "evaluate_sequences": ("hf_policy.py", "evaluate_sequences"),
+    "evaluate_sequences": ("torch_policy.py", "evaluate_sequences"),
     "backward": ("_tensor.py", "backward"),
 }
 
@@ -110,6 +110,8 @@ def batch_items(cfg, policy, tok, demos: int, steps: int):
 
 def gyre_updates(cfg, policy, items, updates: int, profile_out: str) -> tuple[float, dict]:
     """Seconds per update through ``LearnerCore``, and the profile's split of them."""
+    import msgspec
+
     from gyre_async.core.learner import LearnerCore, TrainResult
     from gyre_async.storage.checkpoints import CheckpointRef
 
@@ -119,9 +121,8 @@ def gyre_updates(cfg, policy, items, updates: int, profile_out: str) -> tuple[fl
     seconds = 0.0
     for u in range(updates):
         for offset, item in enumerate(items):
-            scored = item.scored
-            import msgspec
-            scored = msgspec.structs.replace(scored, segment_id=f"{scored.segment_id}-{u}",
+            scored = msgspec.structs.replace(item.scored,
+                                             segment_id=f"{item.scored.segment_id}-{u}",
                                              min_policy_version=core.version)
             assert core.add(scored, (0, u * len(items) + offset)) is None
         core.attach_arrays([it.arrays for it in items])

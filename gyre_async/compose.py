@@ -53,7 +53,7 @@ def build_context_builder(cfg: Config, tokenizer: BaseTokenizer) -> ContextBuild
     """The run's context builder (window or segment contexts, ``[policy]``): the one the
     sampler acts with, so warm-start, validation and held-out judges read what it reads."""
     return ContextBuilder(tokenizer, cfg.policy.context_tokens, cfg.policy.history_turns,
-                          mode=cfg.policy.context)
+                          mode=cfg.policy.context, hint=cfg.policy.segment_hint)
 
 
 def action_token_ids(cfg: Config, tokenizer: BaseTokenizer) -> tuple[int, ...]:

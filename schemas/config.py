@@ -114,6 +114,14 @@ class PolicySection(Strict):
     the next: acting reuses its keys/values, the learner reads the segment once), and it
     closes where the segmenter closes the segment; a context that would pass
     ``context_tokens`` closes the segment there (see gyre_async.core.segmenter)."""
+    segment_hint: Literal["full", "changes"] = "full"
+    """Segment contexts of a game that hints its valid commands (``admissible = "hint"``):
+    what each step's observation shows of the list. ``full``: the whole list at every step
+    (as a window context must). ``changes``: the whole list in the segment's opening, then
+    at each later step only the commands that became valid and those no longer valid since
+    the step before: the rest is earlier in the same sequence. The list is most of a hinted
+    step's tokens (CookingWorld: ~220 of ~240), so this is most of what acting prefills and
+    the learner reads per step."""
     max_action_tokens: Count = 4
     """Longest action the policy may generate (tokens, eos included)."""
     constrain_actions: bool = True

@@ -31,3 +31,42 @@ def split_hint(observation: str) -> tuple[list[str], str]:
     if not sep:
         return [], observation
     return hint.split(HINT_SEPARATOR), text
+
+
+#: A hint re-stated as what changed since the step before (segment contexts, see
+#: :func:`hint_changes`): ``valid actions changed : + a | - b . <text>``.
+CHANGES_PREFIX = "valid actions changed :"
+NO_CHANGE = "none"
+
+
+def hint_changes(previous: str, observation: str) -> str:
+    """``observation`` with its hint re-stated as the commands that became valid (``+ c``)
+    and those no longer valid (``- c``) since ``previous``'s hint (``none``: the same list).
+
+    For a reader that saw ``previous``'s list earlier in the same sequence (a segment
+    context): the list it holds then is the one it would be shown. Where the changes would
+    be longer than the list (a new room: most commands change), the whole list is stated
+    instead, as it is for an observation without a hint or after one without a hint."""
+    before, _ = split_hint(previous)
+    now, text = split_hint(observation)
+    if not now or not before:
+        return observation
+    had, has = set(before), set(now)
+    items = [f"+ {c}" for c in now if c not in had] + [f"- {c}" for c in before if c not in has]
+    stated = HINT_SEPARATOR.join(items) or NO_CHANGE
+    if len(stated) >= len(HINT_SEPARATOR.join(now)):
+        return observation
+    return f"{CHANGES_PREFIX} {stated} . {text}"
+
+
+def split_hint_changes(observation: str) -> tuple[list[str], list[str], str] | None:
+    """(commands now valid, commands no longer valid, the game's text) of an observation
+    made by :func:`hint_changes`; None when it carries no such hint."""
+    if not observation.startswith(CHANGES_PREFIX + " "):
+        return None
+    body, sep, text = observation[len(CHANGES_PREFIX) + 1:].partition(" . ")
+    if not sep:
+        return None
+    items = [] if body == NO_CHANGE else body.split(HINT_SEPARATOR)
+    return ([i[2:] for i in items if i.startswith("+ ")],
+            [i[2:] for i in items if i.startswith("- ")], text)

@@ -40,8 +40,10 @@ from gyre_async.offline.warmstart import (
 )
 from gyre_async.policy.base import Action
 from gyre_async.policy.context import ContextBuilder
+from gyre_async.policy.hf_policy import chat_observation
 from gyre_async.policy.tokenizer import ByteTokenizer
 from schemas.config import SegmenterConfig
+from schemas.hint import CHANGES_PREFIX, hint_changes, present_hint, split_hint, split_hint_changes
 
 ROOT = Path(__file__).resolve().parents[1]
 TWC = {"game": "twc", "params": "numLocations=1,numItemsToPutAway=1,includeDoors=0",
@@ -291,6 +293,83 @@ def test_later_segments_open_with_the_task_the_recipe_and_what_the_milestones_to
     assert not isinstance(state, EnvFailure)
     assert recipe in state.task
     assert state.context(builder) == played[after_first_milestone]
+
+
+def test_segment_contexts_list_valid_commands_once_then_what_changed():
+    """``hint="changes"``: a segment's opening lists every valid command, each later step
+    only those that became valid or stopped being valid; the list a reader holds from them
+    is the game's at every step, the sampler's loop and the offline warm start build the
+    same sequences, and they are much shorter than with the whole list at every step."""
+    tok = ByteTokenizer()
+    full = ContextBuilder(tok, 20_000, 0, mode="segment")
+    changes = ContextBuilder(tok, 20_000, 0, mode="segment", hint="changes")
+    segments = SegmenterConfig(max_segment_steps=64)
+    (demo,) = gold_demonstrations("twx", COOK, [2])
+    observations = [step.observation for step in demo.steps]
+    held, _ = split_hint(observations[0])
+    assert held
+    for before, after in zip(observations, observations[1:]):
+        stated = hint_changes(before, after)
+        added, removed, text = split_hint_changes(stated)
+        held = [c for c in held if c not in removed] + added
+        valid, game_text = split_hint(after)
+        assert sorted(held) == sorted(valid) and text == game_text
+        assert len(stated) < len(after) or (not added and not removed)
+    assert hint_changes(observations[0], "You eat the meal.") == "You eat the meal."
+
+    def tokens_of(text):
+        return [*tok.encode(text), tok.eos_id]
+
+    whole, _ = training_segments([demo], full, segments, tokens_of)
+    offline, left_out = training_segments([demo], changes, segments, tokens_of)
+    assert left_out == 0 and len(offline) == len(whole)
+
+    def appended(segs):  # what steps after the openings add
+        return sum(len(s.sequence) - s.decisions[0][0] for s in segs)
+
+    assert appended(offline) < 0.5 * appended(whole)  # 0.37 on this game, in bytes
+    for s in offline:  # an opening lists them all, a later step what changed
+        steps = [tok.decode(s.sequence[:n]) for n, _ in s.decisions]
+        assert HINT_PREFIX in steps[0] and CHANGES_PREFIX not in steps[0]
+        for before, after in zip(steps, steps[1:]):
+            assert CHANGES_PREFIX in after[len(before):]
+            assert HINT_PREFIX not in after[len(before):]
+    played = []
+
+    async def play():
+        moves = iter(step.action for step in demo.steps)
+
+        async def act(context):
+            text = next(moves)
+            played.append(context)
+            return Acted(Action(tokens_of(text), [0.0] * (len(text) + 1),
+                                [0.0] * (len(text) + 1), text), 0)
+
+        env = make_env("twx", **COOK)
+        try:
+            await run_episode(env, demo.task_id, demo.seed, act, changes, step_timeout_s=60,
+                              segments=segments)
+        finally:
+            await env.close()
+
+    asyncio.run(play())
+    assert played == [s.sequence[:n] for s in offline for n, _ in s.decisions]
+
+
+def test_a_chat_model_reads_changed_valid_commands_after_the_text():
+    """The changed commands as a chat model is shown them: what is no longer valid on one
+    line, what became valid one per line right before the answer, as a full list is."""
+    common = ["go east", "go west", "inventory", "look", "open fridge"]
+    before = present_hint([*common, "take apple"], "Kitchen.")
+    after = present_hint(["eat apple", *common], "You take the apple.")
+    shown = chat_observation(hint_changes(before, after))
+    assert shown == ("You take the apple.\n\nValid actions: as before, but no longer: "
+                     "take apple\nNow also valid:\neat apple")
+    assert chat_observation(hint_changes(before, before)) == "Kitchen.\n\nValid actions: as before"
+    new_room = present_hint(["go north", "take coin"], "Garden.")  # changes longer: whole list
+    assert hint_changes(before, new_room) == new_room
+    with pytest.raises(ValueError, match="hint"):
+        ContextBuilder(ByteTokenizer(), 400, 0, mode="segment", hint="diff")
 
 
 def test_cloning_passes_hold_segments_of_similar_lengths_within_the_token_budget():

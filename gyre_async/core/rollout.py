@@ -259,7 +259,8 @@ class EpisodeState:
         if builder.segments and self.sequence is not None and not result.over \
                 and self.segment.closes(result) is None:
             continued = [*self.sequence, *action_tokens,
-                         *builder.continuation(action_tokens, result.observation)]
+                         *builder.continuation(action_tokens, result.observation,
+                                               self.observation)]
             full = len(continued) > builder.max_tokens
         boundary = self.segment.after(result, context_full=full)
         prefix = 0

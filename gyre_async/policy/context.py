@@ -36,18 +36,23 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from gyre_async.policy.tokenizer import BaseTokenizer
+from schemas.hint import hint_changes
 
 
 class ContextBuilder:
     """Build bounded token contexts from observations, recent turns and a summary."""
 
     def __init__(self, tokenizer: BaseTokenizer, max_tokens: int, history_turns: int,
-                 summary_max_tokens: int | None = None, mode: str = "window"):
+                 summary_max_tokens: int | None = None, mode: str = "window",
+                 hint: str = "full"):
         if history_turns < 0:
             raise ValueError("ContextBuilder: history_turns must be >= 0")
         if mode not in ("window", "segment"):
             raise ValueError(f"ContextBuilder: mode {mode!r} is neither 'window' nor 'segment'")
+        if hint not in ("full", "changes"):
+            raise ValueError(f"ContextBuilder: hint {hint!r} is neither 'full' nor 'changes'")
         self.mode = mode
+        self.hint = hint
         self.tokenizer = tokenizer
         self.max_tokens = max_tokens
         self.history_turns = history_turns
@@ -124,13 +129,19 @@ class ContextBuilder:
         return self.build(observation, (), milestone_summary,
                           "" if task in observation else task)
 
-    def continuation(self, action_tokens: Sequence[int], observation: str) -> list[int]:
+    def continuation(self, action_tokens: Sequence[int], observation: str,
+                     previous: str = "") -> list[int]:
         """What a segment context appends after an action's own tokens to become the next
         step's context: ``<obs> observation <act>``. An end-of-turn token the action ended
         with is not repeated when the observation marker begins with it (a chat model's
         ``<|im_end|>``). The observation is not shortened: a context that would pass
-        ``max_tokens`` closes the segment instead (its next context is an opening)."""
+        ``max_tokens`` closes the segment instead (its next context is an opening).
+        ``previous`` is the observation this context ended with: with ``hint="changes"``
+        the new observation's valid-command hint says only what changed since that one's
+        (:func:`schemas.hint.hint_changes`)."""
         t = self.tokenizer
+        if self.hint == "changes" and previous:
+            observation = hint_changes(previous, observation)
         marker = self._obs
         if marker and action_tokens and action_tokens[-1] == marker[0]:
             marker = marker[1:]

@@ -51,7 +51,7 @@ from gyre_async.policy.lora import (
 from gyre_async.policy.tokenizer import BaseTokenizer
 from gyre_async.policy.torch_policy import CausalLMPolicy
 from schemas.config import LoraSection
-from schemas.hint import present_hint, split_hint
+from schemas.hint import present_hint, split_hint, split_hint_changes
 
 if TYPE_CHECKING:  # transformers is imported lazily (see _need_transformers)
     from transformers import PreTrainedModel
@@ -66,6 +66,15 @@ def chat_observation(observation: str) -> str:
     """A hinted observation as a chat model reads it best: the game's text, then the valid
     commands one per line right before the answer (a 135M model copies a command from
     there, and otherwise answers in prose; with " | " between them it copied several)."""
+    changes = split_hint_changes(observation)
+    if changes is not None:  # a segment context's later step: the list as it changed
+        added, removed, text = changes
+        out = text + "\n\nValid actions: as before"
+        if removed:  # on one line: not a list a small model would copy a command from
+            out += ", but no longer: " + ", ".join(removed)
+        if added:
+            out += "\nNow also valid:\n" + VALID_ACTIONS_SEPARATOR.join(added)
+        return out
     valid, text = split_hint(observation)
     if not valid:
         return observation

@@ -162,7 +162,7 @@ def bench_config(args: argparse.Namespace) -> Config:
         task={"env": args.env, "env_config": train},
         policy={"backend": args.sampler, "model": "smollm2",
                 "context_tokens": args.context_tokens, "history_turns": args.history_turns,
-                "context": args.context,
+                "context": args.context, "segment_hint": args.segment_hint,
                 "max_action_tokens": args.max_action_tokens,
                 "lora": {"rank": args.lora_rank, "alpha": 2.0 * args.lora_rank},
                 "vllm_lora": args.vllm_lora},
@@ -436,7 +436,7 @@ def prepare_games(args: argparse.Namespace) -> None:
 BASE_KEYS = ("recipe", "take", "go", "max_steps", "admissible", "max_hint_actions",
              "eval_episodes", "decoding",
              "temperature", "context_tokens", "history_turns", "max_action_tokens",
-             "eval_engine", "context")
+             "eval_engine", "context", "segment_hint")
 
 
 def base_model(cfg: Config, args: argparse.Namespace) -> dict:
@@ -647,6 +647,10 @@ def parser() -> argparse.ArgumentParser:
                    help="policy.context: a window rebuilt every step, or one sequence per "
                    "segment (then --context-tokens is a segment's budget; see "
                    "ops/bench/llm_sequence.py)")
+    p.add_argument("--segment-hint", default="full", choices=["full", "changes"],
+                   help="policy.segment_hint: segment contexts show the whole valid-command "
+                   "list at every step, or the whole list at a segment's opening and then "
+                   "only what changed")
     p.add_argument("--max-action-tokens", type=int, default=12)
     p.add_argument("--num-envs", type=int, default=8)
     p.add_argument("--batch-steps", type=int, default=32)

@@ -46,13 +46,12 @@ from _common import TINY, make_config, memory_kb, print_result, run_summary
 
 from gyre_async.bus import open_bus
 from gyre_async.bus.reading import read_events
-from gyre_async.compose import build_policy
+from gyre_async.compose import build_context_builder, build_policy
 from gyre_async.core.resumption import task_id_of
 from gyre_async.core.rollout import ActionBatcher, PolicyHolder, StepRecord, run_episode
 from gyre_async.core.segmenter import segment_sequence
 from gyre_async.envs import make_env
 from gyre_async.policy.base import SamplingParams
-from gyre_async.policy.context import ContextBuilder
 from gyre_async.storage.segments import SegmentStore
 from schemas.config import Config
 from schemas.events import Heartbeat
@@ -81,6 +80,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--history-turns", type=int, default=0, help="window mode (Run F: 0)")
     p.add_argument("--segment-tokens", type=int, default=2048,
                    help="segment mode: policy.context_tokens, the budget of one segment")
+    p.add_argument("--segment-hint", default="full", choices=["full", "changes"],
+                   help="segment mode's policy.segment_hint: the whole valid-command list at "
+                   "every step, or at a segment's opening and then only what changed")
     p.add_argument("--max-action-tokens", type=int, default=12)
     p.add_argument("--num-envs", type=int, default=8)
     p.add_argument("--batch-steps", type=int, default=32)
@@ -118,6 +120,7 @@ def mode_config(args: argparse.Namespace, mode: str) -> Config:
         task={"env": "twx", "env_config": {"game": args.twx_game, "params": args.twx_params,
                                            "max_steps": args.max_steps, "admissible": "hint"}},
         policy={"backend": "hf", "model": "smollm2", "context": mode,
+                "segment_hint": args.segment_hint if segment else "full",
                 "context_tokens": args.segment_tokens if segment else args.window_tokens,
                 "history_turns": 0 if segment else args.history_turns,
                 "max_action_tokens": args.max_action_tokens,
@@ -170,8 +173,7 @@ def logprob_check(cfg: Config, episodes: int) -> dict[str, float]:
     import torch
 
     policy = build_policy(cfg)
-    builder = ContextBuilder(policy.tokenizer, cfg.policy.context_tokens,
-                             cfg.policy.history_turns, mode=cfg.policy.context)
+    builder = build_context_builder(cfg, policy.tokenizer)
     records: dict[str, list[StepRecord]] = {}
 
     async def play() -> None:

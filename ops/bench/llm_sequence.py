@@ -75,6 +75,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--twx-game", default="coin")
     p.add_argument("--twx-params", default="numLocations=7,includeDoors=0,numDistractorItems=0")
     p.add_argument("--max-steps", type=int, default=20, help="episode cap (Run F: 20)")
+    p.add_argument("--max-hint-actions", type=int, default=24,
+                   help="valid commands the hint lists at most (Run F: 24; the long task: 72)")
     p.add_argument("--window-tokens", type=int, default=320,
                    help="window mode: policy.context_tokens (Run F: 320)")
     p.add_argument("--history-turns", type=int, default=0, help="window mode (Run F: 0)")
@@ -118,7 +120,8 @@ def mode_config(args: argparse.Namespace, mode: str) -> Config:
     return make_config(
         run=run,
         task={"env": "twx", "env_config": {"game": args.twx_game, "params": args.twx_params,
-                                           "max_steps": args.max_steps, "admissible": "hint"}},
+                                           "max_steps": args.max_steps, "admissible": "hint",
+                                           "max_hint_actions": args.max_hint_actions}},
         policy={"backend": "hf", "model": "smollm2", "context": mode,
                 "segment_hint": args.segment_hint if segment else "full",
                 "context_tokens": args.segment_tokens if segment else args.window_tokens,

@@ -75,6 +75,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--twx-game", default="coin")
     p.add_argument("--twx-params", default="numLocations=7,includeDoors=0,numDistractorItems=0")
     p.add_argument("--max-steps", type=int, default=20, help="episode cap (Run F: 20)")
+    p.add_argument("--max-segment-steps", type=int, default=0,
+                   help="segmenter.max_segment_steps, both modes (0: the episode cap, Run F's)")
     p.add_argument("--max-hint-actions", type=int, default=24,
                    help="valid commands the hint lists at most (Run F: 24; the long task: 72)")
     p.add_argument("--window-tokens", type=int, default=320,
@@ -130,7 +132,8 @@ def mode_config(args: argparse.Namespace, mode: str) -> Config:
                 "lora": {"rank": args.lora_rank, "alpha": 2.0 * args.lora_rank}},
         sampler={"num_envs": args.num_envs, "temperature": args.temperature, "group_size": 1,
                  "step_timeout_s": 300.0},
-        segmenter={"max_segment_steps": args.max_steps, "cap_ends_episode": True},
+        segmenter={"max_segment_steps": args.max_segment_steps or args.max_steps,
+                   "cap_ends_episode": True},
         learner={"batch_steps": args.batch_steps, "minibatch_steps": args.minibatch_steps,
                  "epochs": 1, "learning_rate": args.learning_rate, "max_versions": 0,
                  "micro_steps": 0 if segment else args.micro_steps,

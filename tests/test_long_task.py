@@ -64,6 +64,28 @@ def test_the_long_task_flag_sets_what_the_command_line_leaves_alone():
     assert cfg.learner.credit == "fusion"
 
 
+def test_the_sequence_bench_plays_the_same_long_task():
+    """``llm_sequence.py --long-task``: the game, cap and hint of ``llm.py --long-task``, in
+    both modes' configs, with windows that hold a hinted observation; given flags win."""
+    llm = load_script("ops/bench/llm.py")
+    bench = load_script("ops/bench/llm_sequence.py")
+    argv = ["--long-task", "--max-segment-steps", "16", "--segment-hint", "changes",
+            "--window-tokens", "700"]
+    args = bench.parser().parse_args(argv)
+    bench.apply_preset(args, argv, bench.LONG_TASK_SEQUENCE)
+    assert args.window_tokens == 700  # given: kept
+    for mode in ("window", "segment"):
+        cfg = bench.mode_config(args, mode)
+        env = cfg.task.env_config
+        assert (env["game"], env["params"]) == (llm.LONG_TASK["twx_game"],
+                                                llm.LONG_TASK["twx_params"])
+        assert (env["max_steps"], env["max_hint_actions"]) == (64, 72)
+        assert cfg.segmenter.max_segment_steps == 16
+        assert cfg.policy.segment_hint == ("changes" if mode == "segment" else "full")
+    plain = bench.parser().parse_args([])
+    assert (plain.twx_game, plain.max_steps, plain.window_tokens) == ("coin", 20, 320)
+
+
 def test_the_outcome_only_baseline_differs_in_credit_alone():
     bench = load_script("ops/bench/llm.py")
     p = bench.parser()

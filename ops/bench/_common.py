@@ -12,6 +12,7 @@ package either: :func:`ops_script` loads one.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import importlib.util
 import json
@@ -47,6 +48,24 @@ Base = str | os.PathLike | Config | dict | None
 
 
 # --- configs --------------------------------------------------------------------------------
+
+#: The long task (docs/training.md, "The long task"): CookingWorld with 4 rooms, 3
+#: ingredients and doors, gold paths of ~24 steps, a 64-step cap and a hint of up to 72
+#: valid commands; ``--long-task`` of ops/bench/llm.py and ops/bench/llm_sequence.py.
+LONG_TASK_GAME = {"twx_game": "cookingworld",
+                  "twx_params": "numLocations=4,numIngredients=3,numDistractorItems=0,"
+                                "includeDoors=1,limitInventorySize=0",
+                  "max_steps": 64, "max_hint_actions": 72}
+
+
+def apply_preset(args: argparse.Namespace, argv: list[str], preset: dict[str, Any]) -> None:
+    """Set ``preset`` on every flag the command line left alone (``--long-task``): what was
+    given explicitly wins."""
+    given = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
+    for key, value in preset.items():
+        if "--" + key.replace("_", "-") not in given:
+            setattr(args, key, value)
+
 
 def config_data(base: Base, **sections: Any) -> dict:
     """A config as plain data: ``base`` with ``sections`` merged in.

@@ -71,7 +71,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from _common import ROOT, alternate, make_config, memory_kb, print_result, run_summary
+from _common import (
+    LONG_TASK_GAME,
+    ROOT,
+    alternate,
+    apply_preset,
+    make_config,
+    memory_kb,
+    print_result,
+    run_summary,
+)
 from _common import wilson_interval as wilson
 
 from gyre_async.bus import open_bus
@@ -115,23 +124,16 @@ EVAL_AT_ONCE = 32
 #: base model cloned on 16 training walkthroughs for 2 epochs (the base wins no dev game;
 #: that warm start won 1 of 16: docs/training.md, "The long task"). The headline
 #: configuration of docs/training.md. Flags given explicitly still win.
-LONG_TASK = {"env": "twx", "twx_game": "cookingworld",
-             "twx_params": "numLocations=4,numIngredients=3,numDistractorItems=0,"
-                           "includeDoors=1,limitInventorySize=0",
-             "max_steps": 64, "context": "segment", "context_tokens": 2048,
-             "max_hint_actions": 72, "warmstart_demos": 16, "warmstart_epochs": 2,
+LONG_TASK = {"env": "twx", **LONG_TASK_GAME, "context": "segment", "context_tokens": 2048,
+             "warmstart_demos": 16, "warmstart_epochs": 2,
              "test_episodes": 96, "select_every": 8,
              "select_episodes": 32, "eval_episodes": 16, "eval_every": 1000}
 
 
 def apply_long_task(args: argparse.Namespace, argv: list[str]) -> None:
     """``--long-task`` sets :data:`LONG_TASK` on every flag the command line left alone."""
-    if not args.long_task:
-        return
-    given = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
-    for key, value in LONG_TASK.items():
-        if "--" + key.replace("_", "-") not in given:
-            setattr(args, key, value)
+    if args.long_task:
+        apply_preset(args, argv, LONG_TASK)
 
 
 def credit_overrides(args: argparse.Namespace) -> dict:

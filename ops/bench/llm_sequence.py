@@ -42,7 +42,15 @@ import subprocess
 import sys
 import time
 
-from _common import TINY, make_config, memory_kb, print_result, run_summary
+from _common import (
+    LONG_TASK_GAME,
+    TINY,
+    apply_preset,
+    make_config,
+    memory_kb,
+    print_result,
+    run_summary,
+)
 
 from gyre_async.bus import open_bus
 from gyre_async.bus.reading import read_events
@@ -66,12 +74,20 @@ CHECK_SEED = 9_000_000
 APART_STEPS = 8
 
 
+#: ``--long-task``: the long task's game, and windows that hold its hinted observations
+LONG_TASK_SEQUENCE = {**LONG_TASK_GAME, "window_tokens": 640}
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help="tiny policy, workshop, seconds")
     p.add_argument("--out", default="runs/bench-llm-sequence", help="run directories, result")
     p.add_argument("--minutes", type=float, default=5.0, help="loop wall clock per mode")
     p.add_argument("--modes", default=",".join(MODES), help="which modes, in this order")
+    p.add_argument("--long-task", action="store_true",
+                   help="the long task of ops/bench/llm.py --long-task (CookingWorld, 64-step "
+                   "cap, up to 72 hinted commands) with windows of 640 tokens, which hold a "
+                   "hinted observation whole; flags given explicitly still win")
     p.add_argument("--twx-game", default="coin")
     p.add_argument("--twx-params", default="numLocations=7,includeDoors=0,numDistractorItems=0")
     p.add_argument("--max-steps", type=int, default=20, help="episode cap (Run F: 20)")
@@ -309,6 +325,8 @@ def result_of(args: argparse.Namespace, per_mode: dict[str, dict]) -> dict:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser().parse_args(argv)
+    if args.long_task:
+        apply_preset(args, argv, LONG_TASK_SEQUENCE)
     if args.child:
         print_result(measure(args, args.child))  # the parent reads this last line
         return 0

@@ -154,7 +154,10 @@ def mode_config(args: argparse.Namespace, mode: str) -> Config:
                  "epochs": 1, "learning_rate": args.learning_rate, "max_versions": 0,
                  "micro_steps": 0 if segment else args.micro_steps,
                  "micro_tokens": args.micro_tokens if segment else 0, "entropy_coef": 0.0},
-        evaluator={"every_versions": 0, "seeds": [0], "temperature": args.temperature,
+        # version 0 and the final version only: an evaluation is a whole episode (64 steps
+        # on the long task) on the loop's cores, and "every version" (0 reads as 1) charged
+        # the mode that makes more versions more of them
+        evaluator={"every_versions": 10_000, "seeds": [0], "temperature": args.temperature,
                    "env_config": {"split": "dev"}},
         loop={"max_wall_s": 60 * args.minutes, "max_staleness": 2})
 

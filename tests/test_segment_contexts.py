@@ -452,6 +452,8 @@ def test_a_hugging_face_model_acts_on_cached_prefixes_and_reads_segments_in_one_
 
     policy = HFPolicy.from_pretrained(llama_dir, seed=1)
     check_segment_path(policy, budget=400, atol=1e-5)
+    check_prefill_apart(*(HFPolicy.from_pretrained(llama_dir, seed=1) for _ in "ab"), 400,
+                        atol=1e-5)
     # a chat transcript: an action that ended its turn is not closed twice
     builder = ContextBuilder(policy.tokenizer, 400, 0, mode="segment")
     end = policy.tokenizer.eos_id
@@ -537,6 +539,52 @@ def test_the_base_models_log_probs_are_read_in_one_pass_too(llama_dir):
         tuned = policy.evaluate_sequences(sequences, decisions).logprobs
     assert torch.allclose(one, apart, atol=1e-5)
     assert not torch.allclose(one, tuned, atol=1e-3)  # the adapters were really off
+
+
+def check_prefill_apart(split, whole, budget: int, atol: float) -> None:
+    """A batch computes every row as wide as its widest uncached part: an opening among
+    continuing contexts is prefilled apart first (fewer padded columns), and every row acts
+    as it would in the one batch: the same tokens, log-probs to ``atol``, the same
+    counters. ``split`` and ``whole``: two copies of one policy (same weights and seed)."""
+    builder = ContextBuilder(split.tokenizer, budget, 0, mode="segment")
+    orders = [f"order {k} of 3 : axe x {k} . need wood {k} . ready no ." for k in (1, 2, 3)]
+    params = SamplingParams(max_action_tokens=4)
+    whole.pass_overhead_tokens = 10**9  # never worth a pass of its own: one batch
+    columns = {id(split): 0, id(whole): 0}
+
+    def counting(policy):
+        forward = policy._forward
+
+        def wrapped(ids, mask, cache=None):
+            if ids.shape[1] > 1:  # prefill (decoding feeds one column)
+                columns[id(policy)] += ids.shape[0] * ids.shape[1]
+            return forward(ids, mask, cache)
+        policy._forward = wrapped
+
+    acted, counted = {}, {}
+    for policy in (split, whole):
+        counting(policy)
+        before = (policy.prefill_computed, policy.prefill_reused)
+        first = [builder.opening(o, "done none") for o in orders]
+        acts = policy.act_batch(first, params, seed=3, sessions=["a", "b", "c"])
+        grown = [c + a.tokens + builder.continuation(a.tokens, "you see wood .", o)
+                 for c, a, o in zip(first, acts, orders)]
+        opening = builder.opening("order 1 of 3 : saw x 2 . need ore 2 . need wood 1 . "
+                                  "need axe 1 . ready no .", "done 1 last wood : take wood")
+        columns[id(policy)] = 0
+        acted[id(policy)] = policy.act_batch([*grown, opening], params, seed=4,
+                                             sessions=["a", "b", "c", "d"])
+        counted[id(policy)] = (policy.prefill_computed - before[0],
+                               policy.prefill_reused - before[1])
+    assert columns[id(split)] < 0.7 * columns[id(whole)]
+    for x, y in zip(acted[id(split)], acted[id(whole)]):
+        assert x.tokens == y.tokens
+        assert x.policy_logprobs == pytest.approx(y.policy_logprobs, abs=atol)
+    assert counted[id(split)] == counted[id(whole)]
+
+
+def test_a_long_opening_is_prefilled_apart_and_acts_as_in_one_batch():
+    check_prefill_apart(tiny_policy(), tiny_policy(), BUDGET, atol=1e-5)
 
 
 def test_an_episode_ending_while_a_batch_acts_waits_for_the_batch_not_the_loop():

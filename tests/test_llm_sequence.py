@@ -24,6 +24,7 @@ def test_the_smoke_run_reports_every_figure_of_both_modes(tmp_path, capsys):
     assert all(d <= 1e-4 for d in result["logprob_max_abs_diff"].values())
     assert result["one_pass_vs_apart_max_abs_diff"]["segment"] <= 1e-4
     assert all(v > 0 for v in result["env_steps_per_s"].values())
+    assert all(0 <= v <= 1 for v in result["sampler_paused_fraction"].values())
     assert {"prefill_tokens_per_step", "learner_tokens_per_step",
             "env_steps_per_s"} <= set(result["ratios"])
     assert json.loads((tmp_path / "result.json").read_text()) == result

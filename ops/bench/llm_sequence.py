@@ -288,6 +288,9 @@ def measure(args: argparse.Namespace, mode: str) -> dict:
         "one_pass_vs_apart_max_abs_diff": check.get("one_pass_vs_apart"),
         "peak_rss_mb": round(memory_kb()[0] / 1024, 1),
         "stale_dropped_fraction": summary["stale_dropped_fraction"],
+        # slot-seconds the staleness gate held the sampler's slots, over all its slots' time
+        "sampler_paused_fraction": round(stats.get("paused_s", 0.0) / max(
+            summary["wall_seconds"] * cfg.sampler.num_envs, 1e-9), 3),
         "env_steps": summary["env_steps"], "stored_steps": stored_steps,
         "policy_versions": summary["policy_versions"], "loop_s": round(loop_s, 1),
         # the check episodes' own figures (the same policy version in both modes)
@@ -311,7 +314,8 @@ def result_of(args: argparse.Namespace, per_mode: dict[str, dict]) -> dict:
     modes = list(per_mode)
     result: dict = {"bench": "llm_sequence", "smoke": args.smoke}
     for name in (*FIELDS, "prefill_reused_per_step", "one_pass_vs_apart_max_abs_diff",
-                 "env_steps", "policy_versions", "loop_s", "check_steps",
+                 "sampler_paused_fraction", "env_steps", "policy_versions", "loop_s",
+                 "check_steps",
                  "check_prefill_tokens_per_step", "check_learner_tokens_per_step"):
         result[name] = {mode: per_mode[mode].get(name) for mode in modes}
     if set(modes) == set(MODES):

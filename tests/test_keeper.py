@@ -162,6 +162,39 @@ async def _wait_for(bus, topics, predicate, timeout: float = 60.0):
     raise AssertionError(f"timed out waiting on {topics}: {events}")
 
 
+def test_each_update_costs_one_pass_over_the_probe_set(tmp_path, tiny):
+    """The keeper's KL of an update reuses its parent's probe log-probs when the parent was
+    the version measured last (the usual chain): one pass per version, not two, and the
+    same readings as measuring both afresh."""
+    from gyre_async.core.keeper import KeeperCore
+    from gyre_async.core.probes import probe_contexts
+    from gyre_async.rl.policy_distance import policy_kl
+
+    cfg = tiny.config()
+    refs, states = _versions(cfg, tmp_path / "run" / "checkpoints", [0.001, 0.05, 0.001])
+    policy = build_policy(cfg, build_tokenizer(cfg))
+    probe = asyncio.run(probe_contexts(cfg, policy.tokenizer, 8, 2_000_000))
+    passes = []
+    pass_over = policy.next_token_logprobs
+
+    def counted(contexts):
+        passes.append(len(contexts))
+        return pass_over(contexts)
+
+    policy.next_token_logprobs = counted
+    core = KeeperCore(cfg, KeptSlots(str(tmp_path / "kept")), policy, probe)
+    readings = []
+    for ref in refs:
+        core._on_policy_version(_pv(ref, ref.version - 1 if ref.version else None))
+        readings.append(core.last_measures.get("kl"))
+    assert passes == [8] * 4  # v0 once (v1's parent), then one pass per new version
+    reference = build_policy(cfg, build_tokenizer(cfg))
+    for v in (1, 2, 3):
+        assert readings[v] == pytest.approx(policy_kl(reference, states[v - 1], states[v],
+                                                      probe), rel=1e-5, abs=1e-9)
+    assert readings[2] > 10 * readings[1]  # the large step reads as one
+
+
 def test_corrupt_best_checkpoint_falls_back_and_learner_follows(tmp_path, tiny):
     """The best kept file is corrupted; a regression then restores the stable slot instead,
     with a checkpoint-fault event first; the learner publishes the rollback version."""

@@ -454,6 +454,7 @@ def test_a_hugging_face_model_acts_on_cached_prefixes_and_reads_segments_in_one_
     check_segment_path(policy, budget=400, atol=1e-5)
     check_prefill_apart(*(HFPolicy.from_pretrained(llama_dir, seed=1) for _ in "ab"), 400,
                         atol=1e-5)
+    check_shared_prefix(policy, 400, atol=1e-5)
     # a chat transcript: an action that ended its turn is not closed twice
     builder = ContextBuilder(policy.tokenizer, 400, 0, mode="segment")
     end = policy.tokenizer.eos_id
@@ -581,6 +582,41 @@ def check_prefill_apart(split, whole, budget: int, atol: float) -> None:
         assert x.tokens == y.tokens
         assert x.policy_logprobs == pytest.approx(y.policy_logprobs, abs=atol)
     assert counted[id(split)] == counted[id(whole)]
+
+
+def check_shared_prefix(policy, budget: int, atol: float) -> None:
+    """Next-token log-probs and values (the keeper's probe set, parameter noise): the
+    prompt every context shares is computed once, fewer columns than each row whole, and
+    the readings are those of each context whole."""
+    builder = ContextBuilder(policy.tokenizer, budget, 0, mode="segment")
+    opening = builder.opening("order 1 of 3 : axe x 1 . need wood 1 . ready no .", "done none")
+    action = policy.tokenizer.encode("take wood")
+    contexts = [opening + action + builder.continuation(action, f"you see wood . order {k} .")
+                for k in range(1, 6)] + [opening]
+    columns = []
+    forward = policy._forward
+
+    def counting(ids, mask, cache=None):
+        columns.append(ids.shape[0] * ids.shape[1])
+        return forward(ids, mask, cache)
+
+    policy._forward = counting
+    policy.shared_prefix_rows = 4  # two passes after the prefix
+    shared = (policy.next_token_logprobs(contexts), policy.values(contexts))
+    saved = sum(columns)
+    columns.clear()
+    policy.shared_prefix_min = 10**9  # each context whole
+    whole = (policy.next_token_logprobs(contexts), policy.values(contexts))
+    assert saved < 0.7 * sum(columns)
+    finite = torch.isfinite(whole[0])
+    assert torch.equal(finite, torch.isfinite(shared[0]))
+    assert torch.allclose(shared[0][finite], whole[0][finite], atol=atol)
+    assert torch.allclose(shared[1], whole[1], atol=atol)
+    del policy._forward, policy.shared_prefix_min, policy.shared_prefix_rows
+
+
+def test_a_prompt_every_context_shares_is_computed_once():
+    check_shared_prefix(tiny_policy(), BUDGET, atol=1e-5)
 
 
 def test_a_long_opening_is_prefilled_apart_and_acts_as_in_one_batch():

@@ -30,7 +30,7 @@ import torch
 from gyre_async.core.keeper_best import BestVersion, kept_best
 from gyre_async.core.keeper_rules import is_better, judge
 from gyre_async.core.keeper_slots import Fault, Kept, KeptSlots
-from gyre_async.rl.policy_distance import policy_kl, relative_param_change
+from gyre_async.rl.policy_distance import mean_kl, probe_logprobs, relative_param_change
 from gyre_async.storage.checkpoints import load_checkpoint
 from gyre_async.storage.errors import CheckpointError, UntrustedAddress
 from gyre_async.storage.roots import is_role
@@ -96,6 +96,10 @@ class KeeperCore:
         self._weights: OrderedDict[int, tuple[dict[str, torch.Tensor], dict[str, str]]] = \
             OrderedDict()
         self.last_measures: dict[str, float] = {}
+        #: the probe log-probs of the version measured last: the next update's parent, so
+        #: each update costs one pass over the probe set, not two (a version's weights are
+        #: immutable: its checkpoint is addressed by hash)
+        self._probed: tuple[int, torch.Tensor] | None = None
 
     def stats(self) -> dict[str, float]:
         return {"rollbacks": float(self.sequence), "faults": float(self.faults),
@@ -186,7 +190,7 @@ class KeeperCore:
             return self._fault(Fault("source", pv.version, pv.checkpoint, pv.checkpoint_hash,
                                      str(exc)), "")
         keeper = self.cfg.keeper
-        measures = {"kl": policy_kl(self.policy, old, new, self.probe) if self.probe else 0.0,
+        measures = {"kl": self._probe_kl(parent, old, pv.version, new) if self.probe else 0.0,
                     "param_change": relative_param_change(old, new)}
         # an infinite KL (the new policy gives 0 to an action) is a reading, and events
         # carry finite floats: capped, it still reads as the largest update there is
@@ -201,6 +205,18 @@ class KeeperCore:
                f"{keeper.large_update_kl:g} or param_change {measures['param_change']:.4f} > "
                f"{keeper.large_update_param_change:g}): keeping its parent v{parent}")
         return self._keep("pre-large", parent, why, measures)
+
+    def _probe_kl(self, parent: int, old: dict[str, torch.Tensor], version: int,
+                  new: dict[str, torch.Tensor]) -> float:
+        """Mean KL(parent || version) on the probe set; the parent's log-probs are reused
+        when it was the version measured last."""
+        if self._probed is not None and self._probed[0] == parent:
+            logp_old = self._probed[1]
+        else:
+            logp_old = probe_logprobs(self.policy, old, self.probe)
+        logp_new = probe_logprobs(self.policy, new, self.probe)
+        self._probed = (version, logp_new)
+        return mean_kl(logp_old, logp_new)
 
     # -- evaluations ----------------------------------------------------------------------------
     def _on_eval(self, ev: EvalResult) -> list[Event]:

@@ -198,6 +198,12 @@ def _shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+def _common_prefix(seqs: Sequence[Sequence[int]]) -> int:
+    """How many first tokens every one of ``seqs`` shares."""
+    first = seqs[0]
+    return min((_shared_prefix(first, s) for s in seqs[1:]), default=len(first))
+
+
 class CausalLMPolicy(Policy):
     """Batched acting/evaluation over any causal LM with a value head (see module doc)."""
 
@@ -352,6 +358,13 @@ class CausalLMPolicy(Policy):
         reuse = [r for _, r in sources]
         self.prefill_reused += sum(reuse)
         self.prefill_computed += sum(len(c) - r for c, r in zip(contexts, reuse))
+        ids, mask = self._layout(contexts, reuse, n_new)
+        return ids, mask, sources
+
+    def _layout(self, contexts: list[list[int]], reuse: list[int], n_new: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids and mask of :meth:`_prompt`'s layout, each row's first ``reuse`` tokens
+        cached (nothing counted)."""
         pad = self.tokenizer.pad_id
         width_p = max(reuse)
         new_ids, new_mask = _left_pad([c[r:] for c, r in zip(contexts, reuse)],
@@ -365,7 +378,7 @@ class CausalLMPolicy(Policy):
         ids = torch.cat([old_ids, new_ids, torch.full((len(contexts), n_new), pad)], 1)
         mask = torch.cat([old_mask, new_mask,
                           torch.zeros((len(contexts), n_new), dtype=torch.bool)], 1)
-        return ids.to(self.device), mask.to(self.device), sources
+        return ids.to(self.device), mask.to(self.device)
 
     def _prefill_apart(self, contexts: list[list[int]], sessions: list[str | None]) -> None:
         """Prefill apart, first, the rows whose uncached part is much longer than the
@@ -564,18 +577,43 @@ class CausalLMPolicy(Policy):
 
         What the keeper and parameter-space noise measure KL divergences on.
         """
-        width = self._check(contexts, 0)
         with self._lock, torch.inference_mode():
-            ids, mask = _left_pad(contexts, width, self.tokenizer.pad_id)
-            hidden, _ = self._forward(ids.to(self.device), mask.to(self.device))
-            return self._logp(self._logits(hidden[:, -1])).float().cpu().clone()
+            return self._logp(self._logits(self._last_hidden(contexts))).float().cpu().clone()
 
     def values(self, contexts: list[list[int]]) -> torch.Tensor:
-        width = self._check(contexts, 0)
         with self._lock, torch.inference_mode():
+            return self._value(self._last_hidden(contexts)).float().cpu().clone()
+
+    #: a prefix every context shares is computed once when it is at least this long
+    shared_prefix_min = 16
+    #: rows per pass over the contexts after a shared prefix (each holds a copy of its keys)
+    shared_prefix_rows = 16
+
+    def _last_hidden(self, contexts: list[list[int]]) -> torch.Tensor:
+        """Hidden states [B, D] at each context's last token (inference mode). A prefix
+        every context shares (a probe set's prompt: the system text and worked example) is
+        computed once and its keys/values reused, as acting reuses a session's; the same
+        positions and visibility, so the same results to float32 rounding (tested)."""
+        width = self._check(contexts, 0)
+        shared = min(_common_prefix(contexts), min(len(c) for c in contexts) - 1)
+        if len(contexts) < 2 or shared < self.shared_prefix_min:
             ids, mask = _left_pad(contexts, width, self.tokenizer.pad_id)
             hidden, _ = self._forward(ids.to(self.device), mask.to(self.device))
-            return self._value(hidden[:, -1]).float().cpu().clone()
+            return hidden[:, -1]
+        prefix = torch.tensor([contexts[0][:shared]], device=self.device)
+        _, cache = self._forward(prefix, torch.ones_like(prefix, dtype=torch.bool),
+                                 self._empty_cache(shared))
+        kept = _Session(contexts[0][:shared], [(k[0], v[0])
+                                               for k, v in self._cache_layers(cache)])
+        out = []
+        for at in range(0, len(contexts), self.shared_prefix_rows):
+            chunk = contexts[at:at + self.shared_prefix_rows]
+            ids, mask = self._layout(chunk, [shared] * len(chunk), 0)
+            hidden, _ = self._forward(ids[:, shared:], mask,
+                                      self._past_cache([(kept, shared)] * len(chunk),
+                                                       ids.shape[1] - shared))
+            out.append(hidden[:, -1])
+        return torch.cat(out)
 
     def parameters(self) -> Iterator[nn.Parameter]:
         return self.model.parameters()

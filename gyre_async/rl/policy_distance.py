@@ -42,6 +42,14 @@ def relative_param_change(old: Mapping[str, torch.Tensor], new: Mapping[str, tor
     return math.sqrt(num) / math.sqrt(den) if den > 0 else 0.0
 
 
+def probe_logprobs(policy, state: Mapping[str, torch.Tensor], contexts: list[list[int]]
+                   ) -> torch.Tensor:
+    """Next-token log-probs [B, V] of ``state`` on ``contexts``, loaded into ``policy``
+    (the caller owns it; its weights are left as ``state``)."""
+    policy.load_state_dict(state)
+    return policy.next_token_logprobs(contexts)
+
+
 def policy_kl(policy, state_a: Mapping[str, torch.Tensor], state_b: Mapping[str, torch.Tensor],
               contexts: list[list[int]]) -> float:
     """Mean KL(pi_a || pi_b) of next-token distributions on ``contexts``.
@@ -49,8 +57,5 @@ def policy_kl(policy, state_a: Mapping[str, torch.Tensor], state_b: Mapping[str,
     Loads each state into ``policy`` in turn (the caller owns ``policy`` and its weights are
     left as ``state_b``).
     """
-    policy.load_state_dict(state_a)
-    logp_a = policy.next_token_logprobs(contexts)
-    policy.load_state_dict(state_b)
-    logp_b = policy.next_token_logprobs(contexts)
-    return mean_kl(logp_a, logp_b)
+    logp_a = probe_logprobs(policy, state_a, contexts)
+    return mean_kl(logp_a, probe_logprobs(policy, state_b, contexts))

@@ -404,3 +404,20 @@ def test_poisoned_update_is_rolled_back_and_validation_recovers(tmp_path, tiny):
     K = cfg.keeper
     assert not judge(best, recovered, K.noise_k, K.min_regressed_metrics).regressed, recovered
     assert recovered.success_rate > evals[2].success_rate
+
+
+def test_the_probe_bench_compares_the_two_measures_on_one_probe_set():
+    """``ops/bench/keeper_probe.py --smoke``: both ways of measuring an update run on the
+    same probe set and weights and read the same KL."""
+    import json
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[1] / "ops" / "bench" / "keeper_probe.py"
+    out = subprocess.run([sys.executable, str(script), "--smoke", "--contexts", "8",
+                          "--rounds", "1", "--threads", "1"], capture_output=True, text=True,
+                         check=True, timeout=300)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["bench"] == "keeper_probe" and result["contexts"] == 8
+    assert result["kl"] > 0 and result["kl_abs_diff"] <= 1e-6 * max(result["kl"], 1.0)
+    assert len(result["rounds_s"]) == 1 and result["two_whole_s"] > 0

@@ -113,6 +113,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-rank", type=int, default=8)
     p.add_argument("--learning-rate", type=float, default=2e-4)
     p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--probe-contexts", type=int, default=16,
+                   help="keeper.probe_contexts, both modes: the keeper measures every update's "
+                   "KL on this many contexts, one pass each per version on the loop's cores "
+                   "(64, the default of tiny-policy runs, is ~38 s of SmolLM2 per version "
+                   "here: ops/bench/keeper_probe.py)")
     p.add_argument("--check-episodes", type=int, default=2)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)  # one mode's process
@@ -159,6 +164,7 @@ def mode_config(args: argparse.Namespace, mode: str) -> Config:
         # the mode that makes more versions more of them
         evaluator={"every_versions": 10_000, "seeds": [0], "temperature": args.temperature,
                    "env_config": {"split": "dev"}},
+        keeper={"probe_contexts": args.probe_contexts},
         loop={"max_wall_s": 60 * args.minutes, "max_staleness": 2})
 
 

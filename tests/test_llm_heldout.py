@@ -121,6 +121,20 @@ def test_dev_figures_equal_the_runs_own_evaluator(heldout, tmp_path, monkeypatch
     low, _ = wilson_interval(result["test"]["best"]["wins"], 8)
     assert result["best_success_ci_low"] == pytest.approx(low, abs=1e-4)
     assert Path(result["png"]).exists()
+    assert result["start_success"] is None  # version 0 is the init, not a warm start
+
+    # Judging again plays nothing: every play is kept beside the run, the same figures
+    async def no_play(*args, **kwargs):
+        raise AssertionError("a kept play was played again")
+
+    monkeypatch.setattr(heldout, "play", no_play)
+    again = tmp_path / "again.json"
+    assert heldout.main(["--run-dir", run_dir, "--engine", "torch", "--every", "2",
+                         "--dev-episodes", "8", "--test-episodes", "8",
+                         "--out", str(again)]) == 0
+    kept = json.loads(again.read_text())
+    assert kept["selection"] == result["selection"] and kept["test"] == result["test"]
+    assert (tmp_path / "heldout-plays.jsonl").exists()
 
 
 def test_env_params_keep_the_equals_signs_of_their_values(heldout):
@@ -128,3 +142,35 @@ def test_env_params_keep_the_equals_signs_of_their_values(heldout):
         "params": "numLocations=9,includeDoors=0", "max_steps": 30}
     with pytest.raises(SystemExit, match="KEY=VALUE"):
         heldout.env_overrides(["numLocations"])
+
+
+def test_a_play_is_kept_by_its_weights_and_game_settings(heldout, tmp_path):
+    cfg = load_config(ROOT / "ops" / "configs" / "twx.toml")
+    s = msgspec.structs.replace
+    test = heldout.split_config(cfg, "test", 8, "torch")
+    key = heldout.PlayBook.key(test, "torch", "base")
+    # the run's name, directory, budget and learner do not change a game
+    other_run = s(test, run=s(test.run, run_dir="/elsewhere", run_id="another"),
+                  loop=s(test.loop, max_wall_s=1.0),
+                  learner=s(test.learner, learning_rate=1.0))
+    assert heldout.PlayBook.key(other_run, "torch", "base") == key
+    # the weights, the split, the games, the seed, the decoding and the engine do
+    assert len({key, heldout.PlayBook.key(test, "torch", "ab12"),
+                heldout.PlayBook.key(heldout.split_config(cfg, "dev", 8, "torch"), "torch",
+                                     "base"),
+                heldout.PlayBook.key(heldout.split_config(cfg, "test", 9, "torch"), "torch",
+                                     "base"),
+                heldout.PlayBook.key(s(test, run=s(test.run, seed=test.run.seed + 1)),
+                                     "torch", "base"),
+                heldout.PlayBook.key(s(test, evaluator=s(test.evaluator, temperature=0.3)),
+                                     "torch", "base"),
+                heldout.PlayBook.key(test, "vllm", "base")}) == 7
+
+    path = tmp_path / "plays.jsonl"
+    book = heldout.PlayBook(str(path))
+    assert book.get(key) is None
+    book.put(key, {"wins": 3, "episodes": 8})
+    with open(path, "a") as f:
+        f.write('{"key": "cut sh')  # a write cut short: ignored, that play runs again
+    reread = heldout.PlayBook(str(path))
+    assert reread.get(key) == {"wins": 3, "episodes": 8} and len(reread.kept) == 1

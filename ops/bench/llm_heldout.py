@@ -13,7 +13,15 @@ jobs, as one separates a validation split from a test split:
    then score, then the earlier version) is chosen there. Version 0 plays them too, as the
    line the updates are read against (it is not a candidate: (c) is what RL made);
 3. **the report**: the chosen version, and the run's last version, play the same test games
-   as the base, with the same decoding and the same sampling seed.
+   as the base, with the same decoding and the same sampling seed. When version 0 is a warm
+   start (behaviour cloning before RL), it plays the test games too (``start``): the base
+   model is then the line of the whole recipe, version 0 the line of what RL added.
+
+Each finished play is kept in ``--plays`` (JSON lines, by default ``heldout-plays.jsonl``
+beside the run directory), keyed by the weights' sha256 and every setting that shapes a
+game (split, games, policy, task, evaluator, segmenter, sampler, seed, engine): an
+interrupted judging resumes where it stopped, and runs of the same settings and seed share
+the base model's plays (a 96-game judging of the long task takes tens of minutes here).
 
 Every version's weights are loaded from the run's checkpoints (sha256 verified) as the
 evaluator loads them, and played through the evaluator's own code (``evaluate``), by
@@ -31,10 +39,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
+import json
 import math
 import os
 import time
 
+import msgspec
 from _common import make_config, print_result
 from _common import wilson_interval as wilson
 
@@ -79,6 +90,43 @@ def chosen_for_selection(versions: list[PolicyVersion], every: int) -> list[Poli
     return picked
 
 
+class PlayBook:
+    """Finished plays, one JSON line each, so that no play is paid for twice (see the module
+    docstring). A line names its key; a line that does not parse (a write cut short) is
+    ignored and that play runs again."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.kept: dict[str, dict] = {}
+        if os.path.exists(path):
+            with open(path) as f:
+                for line in f:
+                    try:
+                        row = json.loads(line)
+                        self.kept[row["key"]] = row["figures"]
+                    except (json.JSONDecodeError, KeyError, TypeError):
+                        continue
+
+    @staticmethod
+    def key(cfg: Config, engine: str, weights: str) -> str:
+        """What decides a play's games and actions: the weights (``weights``: a checkpoint's
+        sha256, or ``base``) and every config section that shapes an episode; the run's
+        name, directory, budget and learner settings are left out."""
+        shaping = {name: msgspec.to_builtins(getattr(cfg, name))
+                   for name in ("policy", "task", "evaluator", "segmenter", "sampler",
+                                "macros")}
+        shaping.update(seed=cfg.run.seed, engine=engine, weights=weights)
+        return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()
+
+    def get(self, key: str) -> dict | None:
+        return self.kept.get(key)
+
+    def put(self, key: str, figures: dict) -> None:
+        self.kept[key] = figures
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"key": key, "figures": figures}) + "\n")
+
+
 def choose(selection: list[dict]) -> dict:
     """The best candidate on validation: success, then score, then the earlier version."""
     return max((e for e in selection if e["candidate"]),
@@ -114,6 +162,25 @@ def env_overrides(pairs: list[str]) -> dict[str, str | int | float]:
     return out
 
 
+async def judged(book: PlayBook, engine: str, cfg: Config, holder: PolicyHolder,
+                 builder: ContextBuilder, version: PolicyVersion | None, label: str) -> dict:
+    """``version`` (``None``: the base model, the fresh policy ``holder`` starts with, so it
+    plays before any version is loaded) plays ``cfg``'s games, or the figures ``book`` kept
+    of that very play."""
+    key = PlayBook.key(cfg, engine, "base" if version is None else version.checkpoint_hash)
+    kept = book.get(key)
+    if kept is not None:
+        print(f"[heldout] {label}: {kept['wins']}/{kept['episodes']} won (kept in "
+              f"{book.path})", flush=True)
+        return kept
+    if version is not None:
+        await asyncio.to_thread(holder.load, version.checkpoint, version.checkpoint_hash,
+                                version.version)
+    figures = await play(cfg, holder, builder, label)
+    book.put(key, figures)
+    return figures
+
+
 async def play(cfg: Config, holder: PolicyHolder, builder: ContextBuilder, label: str) -> dict:
     started = time.monotonic()
     r = await evaluate(cfg, holder, builder, None, cfg.evaluator.greedy,
@@ -142,7 +209,8 @@ def plot(selection: list[dict], test: dict, path: str, title: str) -> None:
     low, high = wilson(base["wins"], base["episodes"])
     ax.axhline(base["success"], color="gray", ls=":", label="base model, test games")
     ax.axhspan(low, high, color="gray", alpha=0.12)
-    for key, colour, marker in (("best", "tab:red", "*"), ("final", "tab:green", "s")):
+    for key, colour, marker in (("start", "tab:purple", "D"), ("best", "tab:red", "*"),
+                                ("final", "tab:green", "s")):
         e = test.get(key)
         if e is None:
             continue
@@ -175,27 +243,35 @@ async def heldout(args: argparse.Namespace) -> dict:
     tokenizer = build_tokenizer(cfg)
     holder = PolicyHolder(validation_policy(dev, tokenizer), 0)
     builder = build_context_builder(cfg, tokenizer)
+    book = PlayBook(args.plays or os.path.join(
+        os.path.dirname(os.path.abspath(args.run_dir)), "heldout-plays.jsonl"))
     try:
-        figures = {"base": await play(test, holder, builder, "base model, test games")}
+        figures = {"base": await judged(book, args.engine, test, holder, builder, None,
+                                        "base model, test games")}
         selection = []
         for v in [versions[0], *selection_set]:
-            await asyncio.to_thread(holder.load, v.checkpoint, v.checkpoint_hash, v.version)
-            played = await play(dev, holder, builder, f"version {v.version}, dev games")
+            played = await judged(book, args.engine, dev, holder, builder, v,
+                                  f"version {v.version}, dev games")
             selection.append({**played, "candidate": v.reason == "update"})
         best = choose(selection)
         by_version = {v.version: v for v in selection_set}
         last = selection_set[-1]
-        for key, v in (("best", by_version[best["version"]]), ("final", last)):
+        plays = [("best", by_version[best["version"]]), ("final", last)]
+        if versions[0].reason == "warmstart":  # the line of what RL added to the warm start
+            plays.append(("start", versions[0]))
+        for key, v in plays:
             if key == "final" and v.version == best["version"]:
                 figures["final"] = figures["best"]
                 continue
-            await asyncio.to_thread(holder.load, v.checkpoint, v.checkpoint_hash, v.version)
-            figures[key] = await play(test, holder, builder, f"{key}: version {v.version}, "
-                                      "test games")
+            figures[key] = await judged(book, args.engine, test, holder, builder, v,
+                                        f"{key}: version {v.version}, test games")
     finally:
         holder.close()
     n = args.test_episodes
     base, chosen, final = figures["base"], figures["best"], figures["final"]
+    start = figures.get("start")
+    p_start = (float(f"{two_proportion_p(start['wins'], chosen['wins'], n):.2g}")
+               if start else None)
     low, high = wilson(chosen["wins"], n)
     env = {**cfg.task.env_config, **overrides}
     title = (f"{cfg.policy.model} on {cfg.task.env} {env.get('game', '')} "
@@ -213,6 +289,11 @@ async def heldout(args: argparse.Namespace) -> dict:
                                                                 - base["success"], 4),
         "p_best_above_base": float(f"{two_proportion_p(base['wins'], chosen['wins'], n):.2g}"),
         "base_score": base["score"], "best_score": chosen["score"],
+        # version 0 when it is a warm start: what RL itself added is best - start
+        "start_success": start["success"] if start else None,
+        "start_score": start["score"] if start else None,
+        "best_minus_start": round(chosen["success"] - start["success"], 4) if start else None,
+        "p_best_above_start": p_start,
         "test_episodes": n, "dev_episodes": args.dev_episodes, "engine": args.engine,
         "env_overrides": overrides,
         "decoding": "greedy" if cfg.evaluator.greedy else
@@ -239,6 +320,9 @@ def main(argv: list[str] | None = None) -> int:
                         "params=numLocations=9,includeDoors=0,numDistractorItems=0 to check "
                         "transfer to a larger map than the run trained on")
     p.add_argument("--png", default="", help="the plot (default: heldout.png beside the run)")
+    p.add_argument("--plays", default="",
+                   help="finished plays kept here and reused (default: heldout-plays.jsonl "
+                        "beside the run directory)")
     p.add_argument("--out", default="", help="also write the JSON here")
     args = p.parse_args(argv)
     if args.every < 1 or args.dev_episodes < 1 or args.test_episodes < 1:

@@ -858,6 +858,11 @@ def result_of(args: argparse.Namespace, base: dict, run: Run, loop: InLoop, cmp:
                       eval_episodes=held["test_episodes"], final_version=held["final_version"],
                       p_best_above_base=held["p_best_above_base"],
                       selection=held["selection"], heldout_png=held["png"],
+                      # a warm-started run: version 0 on the same test games, and what RL
+                      # itself added (None when version 0 is no warm start)
+                      start_success=held.get("start_success"),
+                      best_minus_start=held.get("best_minus_start"),
+                      p_best_above_start=held.get("p_best_above_start"),
                       figures_from="held-out test games (ops/bench/llm_heldout.py)")
     return result
 

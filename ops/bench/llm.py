@@ -170,7 +170,7 @@ def bench_config(args: argparse.Namespace) -> Config:
                 "vllm_lora": args.vllm_lora},
         sampler={"num_envs": args.num_envs, "temperature": args.temperature,
                  "group_size": args.group_size, "step_timeout_s": 300.0},
-        segmenter={"max_segment_steps": args.max_steps,
+        segmenter={"max_segment_steps": args.max_segment_steps or args.max_steps,
                    "cap_ends_episode": args.cap == "terminal"},
         learner={"batch_steps": args.batch_steps, "minibatch_steps": args.minibatch_steps,
                  "epochs": args.epochs, "learning_rate": args.learning_rate, "max_versions": 0,
@@ -180,7 +180,7 @@ def bench_config(args: argparse.Namespace) -> Config:
                    "temperature": args.temperature, "seeds": list(range(args.eval_episodes)),
                    "engine": "sampler" if args.eval_engine == "vllm" else "learner",
                    "env_config": valid, "concurrency": EVAL_AT_ONCE},
-        loop={"max_wall_s": args.minutes * 60, "max_staleness": 2},
+        loop={"max_wall_s": args.minutes * 60, "max_staleness": args.max_staleness},
     )
     return make_config(cfg, **credit_overrides(args))
 
@@ -654,6 +654,13 @@ def parser() -> argparse.ArgumentParser:
                    "list at every step, or the whole list at a segment's opening and then "
                    "only what changed")
     p.add_argument("--max-action-tokens", type=int, default=12)
+    p.add_argument("--max-staleness", type=int, default=2,
+                   help="loop.max_staleness: versions a segment may lag the learner. Pacing "
+                        "keeps (max_staleness + 1) * --batch-steps steps ahead of the learner "
+                        "for every open segment's worst case (--max-segment-steps), so 8 slots "
+                        "of 64-step segments with the defaults leave about 2 slots acting")
+    p.add_argument("--max-segment-steps", type=int, default=0,
+                   help="segmenter.max_segment_steps (0: the episode cap, --max-steps)")
     p.add_argument("--num-envs", type=int, default=8)
     p.add_argument("--batch-steps", type=int, default=32)
     p.add_argument("--minibatch-steps", type=int, default=8)

@@ -102,6 +102,33 @@ def test_a_drop_reopens_the_gate_at_once():
     asyncio.run(go())
 
 
+def test_a_wait_the_stop_cuts_short_counts_as_paused():
+    """``paused_s`` (the heartbeat's, and llm_sequence's ``sampler_paused_fraction``) counts
+    every second a slot spent at the gate, also a wait that only the run's end ended: a slot
+    held from its first step to the stop paused all along."""
+    from gyre_async.core.sampler import _Stopped
+
+    core = _core(2, 1024, 32, 32)
+    core.learner_version, core.learner_consumed = 5, 5_200
+    core.steps_emitted = 9_296  # at the hard cap: nothing more is admitted
+
+    async def go() -> None:
+        stopping = asyncio.Event()
+        core._stopping = stopping
+        opener = asyncio.create_task(core._open_gate_on(stopping))
+        held = asyncio.create_task(core._admit("t", opens_segment=True))
+        await asyncio.sleep(0.2)
+        assert not held.done() and core.at_gate == 1 and core.paused_s == 0.0
+        stopping.set()
+        with pytest.raises(_Stopped):
+            await asyncio.wait_for(held, 1.0)
+        await opener
+        assert core.at_gate == 0 and core.steps_emitted == 9_296
+        assert core.paused_s >= 0.2
+
+    asyncio.run(go())
+
+
 def test_a_slot_waits_while_its_step_would_age_an_older_open_segment_past_the_bound():
     """max_staleness 1, batches of 8, segments of up to 4 steps: a segment opened at
     version 5 arrives within the bound if fewer than (1 + 1) * 8 = 16 steps reach the learner

@@ -216,18 +216,20 @@ class SamplerCore:
         reach the slot."""
         loop = asyncio.get_running_loop()
         started = loop.time()
-        async with self._version_seen:
-            if not self._admissible(tid, opens_segment):
-                self.at_gate += 1
-                try:
-                    await self._version_seen.wait_for(
-                        lambda: self._admissible(tid, opens_segment) or self._stopped())
-                finally:
-                    self.at_gate -= 1
+        try:
+            async with self._version_seen:
                 if not self._admissible(tid, opens_segment):
-                    raise _Stopped
+                    self.at_gate += 1
+                    try:
+                        await self._version_seen.wait_for(
+                            lambda: self._admissible(tid, opens_segment) or self._stopped())
+                    finally:
+                        self.at_gate -= 1
+                    if not self._admissible(tid, opens_segment):
+                        raise _Stopped
+        finally:  # a wait the run's end cuts short was a pause too
+            self.paused_s += loop.time() - started
         self.steps_emitted += 1
-        self.paused_s += loop.time() - started
         if opens_segment:
             self._track(tid, self.holder.version, 1)
         elif (own := self._segments.get(tid)) is not None:

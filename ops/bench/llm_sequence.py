@@ -93,6 +93,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-steps", type=int, default=20, help="episode cap (Run F: 20)")
     p.add_argument("--max-segment-steps", type=int, default=0,
                    help="segmenter.max_segment_steps, both modes (0: the episode cap, Run F's)")
+    p.add_argument("--max-staleness", type=int, default=2,
+                   help="loop.max_staleness, both modes: pacing keeps (max_staleness + 1) * "
+                   "--batch-steps steps of room for every open segment's worst case "
+                   "(--max-segment-steps), so with the defaults and 64-step segments about "
+                   "2 of 8 slots act at once")
     p.add_argument("--max-hint-actions", type=int, default=24,
                    help="valid commands the hint lists at most (Run F: 24; the long task: 72)")
     p.add_argument("--window-tokens", type=int, default=320,
@@ -165,7 +170,7 @@ def mode_config(args: argparse.Namespace, mode: str) -> Config:
         evaluator={"every_versions": 10_000, "seeds": [0], "temperature": args.temperature,
                    "env_config": {"split": "dev"}},
         keeper={"probe_contexts": args.probe_contexts},
-        loop={"max_wall_s": 60 * args.minutes, "max_staleness": 2})
+        loop={"max_wall_s": 60 * args.minutes, "max_staleness": args.max_staleness})
 
 
 # --- the figures of one mode ----------------------------------------------------------------

@@ -58,6 +58,18 @@ LONG_TASK_GAME = {"twx_game": "cookingworld",
                   "max_steps": 64, "max_hint_actions": 72}
 
 
+def add_pacing_flags(p: argparse.ArgumentParser, where: str = "") -> None:
+    """``--max-staleness`` and ``--max-segment-steps``: the room pacing gives an LLM loop
+    (``where``: e.g. ", both modes", appended to each flag's config name)."""
+    p.add_argument("--max-staleness", type=int, default=2,
+                   help=f"loop.max_staleness{where}: versions a segment may lag the learner. "
+                   "Pacing keeps (max_staleness + 1) * --batch-steps steps of room for every "
+                   "open segment's worst case (--max-segment-steps), so with the defaults "
+                   "and 64-step segments about 2 of 8 slots act at once")
+    p.add_argument("--max-segment-steps", type=int, default=0,
+                   help=f"segmenter.max_segment_steps{where} (0: the episode cap, --max-steps)")
+
+
 def apply_preset(args: argparse.Namespace, argv: list[str], preset: dict[str, Any]) -> None:
     """Set ``preset`` on every flag the command line left alone (``--long-task``): what was
     given explicitly wins."""

@@ -74,6 +74,7 @@ from pathlib import Path
 from _common import (
     LONG_TASK_GAME,
     ROOT,
+    add_pacing_flags,
     alternate,
     apply_preset,
     make_config,
@@ -654,13 +655,7 @@ def parser() -> argparse.ArgumentParser:
                    "list at every step, or the whole list at a segment's opening and then "
                    "only what changed")
     p.add_argument("--max-action-tokens", type=int, default=12)
-    p.add_argument("--max-staleness", type=int, default=2,
-                   help="loop.max_staleness: versions a segment may lag the learner. Pacing "
-                        "keeps (max_staleness + 1) * --batch-steps steps ahead of the learner "
-                        "for every open segment's worst case (--max-segment-steps), so 8 slots "
-                        "of 64-step segments with the defaults leave about 2 slots acting")
-    p.add_argument("--max-segment-steps", type=int, default=0,
-                   help="segmenter.max_segment_steps (0: the episode cap, --max-steps)")
+    add_pacing_flags(p)
     p.add_argument("--num-envs", type=int, default=8)
     p.add_argument("--batch-steps", type=int, default=32)
     p.add_argument("--minibatch-steps", type=int, default=8)

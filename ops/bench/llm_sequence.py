@@ -45,6 +45,7 @@ import time
 from _common import (
     LONG_TASK_GAME,
     TINY,
+    add_pacing_flags,
     apply_preset,
     make_config,
     memory_kb,
@@ -91,13 +92,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--twx-game", default="coin")
     p.add_argument("--twx-params", default="numLocations=7,includeDoors=0,numDistractorItems=0")
     p.add_argument("--max-steps", type=int, default=20, help="episode cap (Run F: 20)")
-    p.add_argument("--max-segment-steps", type=int, default=0,
-                   help="segmenter.max_segment_steps, both modes (0: the episode cap, Run F's)")
-    p.add_argument("--max-staleness", type=int, default=2,
-                   help="loop.max_staleness, both modes: pacing keeps (max_staleness + 1) * "
-                   "--batch-steps steps of room for every open segment's worst case "
-                   "(--max-segment-steps), so with the defaults and 64-step segments about "
-                   "2 of 8 slots act at once")
+    add_pacing_flags(p, ", both modes")
     p.add_argument("--max-hint-actions", type=int, default=24,
                    help="valid commands the hint lists at most (Run F: 24; the long task: 72)")
     p.add_argument("--window-tokens", type=int, default=320,

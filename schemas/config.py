@@ -297,6 +297,10 @@ class ArbiterConfig(Strict):
     """Reward at the last step of a successful trajectory."""
     outcome_failure: float = 0.0
     """Reward at the last step of a failed or truncated trajectory."""
+    outcome_lost: float | None = None
+    """Reward at the last step of a trajectory the game itself lost (it ended, unwon, before
+    the step cap: a wrong move in a CookingWorld recipe), where a loss should cost more than
+    running out of steps; None: ``outcome_failure``, as for a cut."""
     milestone_reward: float = 0.1
     """Reward for each milestone proven by environment state (paid once per trajectory)."""
     guards: GuardConfig = msgspec.field(default_factory=GuardConfig)

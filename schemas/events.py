@@ -297,6 +297,9 @@ class SegmentClosed(Event, tag="segment-closed", frozen=True, kw_only=True):
     #: set on the last segment of an episode ended by a failure (env error, timeout,
     #: abandonment): the episode has no outcome, the learner bootstraps it instead
     failure: EpisodeFailure = ""
+    #: the game itself ended the episode without a win (done, not cut at the step cap): a
+    #: loss, which ``arbiter.outcome_lost`` may pay apart from a cut
+    lost: bool = False
 
     def __post_init__(self) -> None:
         _non_negative("step_start", self.step_start)

@@ -297,3 +297,44 @@ def test_a_rebuilt_core_has_the_live_cores_state():
     assert rebuilt.handled == live.handled | {"x"}
     assert (rebuilt.scored, rebuilt.failed) == (live.scored + 1, live.failed) == (5, 0)
     assert rebuilt.handle(segments[3]) == []
+
+
+def _ended(done: bool, truncated: bool, success: bool = False) -> SegmentClosed:
+    """The segment-closed event the segmenter makes of a 2-step trajectory's end."""
+    from gyre_async.core.segmenter import SegmenterCore, segment_closed
+    from gyre_async.storage.segments import SegmentRef
+    from schemas.config import SegmenterConfig
+    from schemas.events import TrajectoryStep
+
+    core = SegmenterCore(SegmenterConfig(max_segment_steps=8))
+    closed = []
+    for i in range(2):
+        last = i == 1
+        closed += core.add(TrajectoryStep(
+            event_id=event_id("s", i), run_id="r", producer="sampler", key="t",
+            trajectory_id="t", task_id="task", step_index=i, policy_version=0,
+            context_tokens=[1], action_tokens=[2], action_logprobs=[-0.1],
+            done=last and done, truncated=last and truncated, success=last and success),
+            (0, i))
+    assert len(closed) == 1
+    return segment_closed(closed[0], "seg", SegmentRef(address="a", content_hash="h"),
+                          run_id="r", producer="segmenter")
+
+
+def test_a_lost_game_may_pay_apart_from_a_cut():
+    """The game ending unwon before the cap (a wrong move) is a loss; the cap is a cut.
+    ``outcome_lost`` pays the first apart; unset, both pay ``outcome_failure`` as before."""
+    lost, cut, won = _ended(True, False), _ended(False, True), _ended(True, False, True)
+    assert lost.lost and not cut.lost and not won.lost
+    assert lost.trajectory_done and cut.trajectory_done
+    apart = Arbitration(cfg(outcome_lost=-1.0))
+    assert apart.score(lost, set(), "x").scored.step_rewards == [0.0, -1.0]
+    assert apart.score(cut, set(), "x").scored.step_rewards == [0.0, 0.0]
+    assert apart.score(won, set(), "x").scored.step_rewards == [0.0, 1.0]
+    same = Arbitration(cfg(outcome_failure=-0.5))
+    assert same.score(lost, set(), "x").scored.step_rewards == [0.0, -0.5]
+    assert same.score(cut, set(), "x").scored.step_rewards == [0.0, -0.5]
+    # an event from before the field decodes as no loss: the failure outcome, as it was paid
+    old = msgspec.json.decode(msgspec.json.encode(lost).replace(b',"lost":true', b''),
+                              type=SegmentClosed)
+    assert not old.lost and apart.score(old, set(), "x").scored.step_rewards == [0.0, 0.0]

@@ -116,6 +116,8 @@ def test_pacing_and_the_env_step_budget_reach_the_config():
                   "--env-steps", "1500", "--credit", "outcome"])
     assert (cfg.loop.max_staleness, cfg.segmenter.max_segment_steps) == (4, 24)
     assert cfg.loop.max_env_steps == 1500 and cfg.learner.credit == "outcome"
+    assert plain.arbiter.outcome_lost is None
+    assert config(["--long-task", "--outcome-lost", "-1"]).arbiter.outcome_lost == -1.0
     too_long = subprocess.run([sys.executable, str(ROOT / "ops/bench/llm.py"), "--minutes",
                                "120", "--out", "/nonexistent/x"], capture_output=True,
                               text=True, timeout=60)

@@ -143,6 +143,7 @@ def segment_closed(seg: ClosedSegment, segment_id: str, ref: SegmentRef, *, run_
         address=ref.address, content_hash=ref.content_hash,
         min_policy_version=min(versions), max_policy_version=max(versions),
         trajectory_done=seg.boundary == "trajectory-end", success=last.success,
+        lost=seg.boundary == "trajectory-end" and last.done and not last.success,
         milestones=[m for s in seg.steps for m in s.milestones],
         milestone_steps=[s.step_index for s in seg.steps for _ in s.milestones],
         feedback=[s.feedback for s in seg.steps],

@@ -130,7 +130,9 @@ class Arbitration:
             verified[step - seg.step_start] += c.milestone_reward
             components["milestone"] += c.milestone_reward
         if seg.trajectory_done and not seg.failure:  # a failed episode has no outcome
-            outcome = c.outcome_success if seg.success else c.outcome_failure
+            outcome = (c.outcome_success if seg.success else
+                       c.outcome_lost if seg.lost and c.outcome_lost is not None else
+                       c.outcome_failure)
             verified[-1] += outcome
             components["outcome"] = outcome
         for name, values in shaping.items():

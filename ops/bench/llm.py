@@ -184,6 +184,8 @@ def bench_config(args: argparse.Namespace) -> Config:
         loop={"max_wall_s": args.minutes * 60, "max_staleness": args.max_staleness,
               "max_env_steps": args.env_steps},
     )
+    if args.outcome_lost is not None:
+        cfg = make_config(cfg, arbiter={"outcome_lost": args.outcome_lost})
     return make_config(cfg, **credit_overrides(args))
 
 
@@ -596,6 +598,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--credit", default="fusion", choices=["fusion", "outcome"],
                    help="Gyre's credit (milestones, segment GAE, outcome fusion), or the "
                         "outcome-only GRPO-style baseline (sync mode, no milestone pay)")
+    p.add_argument("--outcome-lost", type=float, default=None,
+                   help="arbiter.outcome_lost: the outcome of a game the game itself lost (a "
+                        "wrong move), apart from one cut at the step cap (default: the same, "
+                        "arbiter.outcome_failure = 0)")
     p.add_argument("--group-size", type=int, default=1,
                    help="episodes per task (GRPO group: the outcome advantage compares a "
                         "trajectory with its group)")

@@ -437,13 +437,13 @@ def main(argv: list[str] | None = None) -> int:
     counted = [v for v in saved if not v["over_budget"]]
     last = counted[-1] if counted else None
     game, params, cap = task_settings(args)
+    max_hint, hint = hint_settings(args)
     result = {
         "peer": "trl", "trl": trl.__version__, "transformers": transformers.__version__,
         "peft": peft.__version__, "torch": torch.__version__,
         "generation": "transformers generate through GRPOTrainer (no vLLM)",
         "task": {"game": game, "params": params, "max_steps": cap,
-                 "max_hint_actions": hint_settings(args)[0],
-                 "segment_hint": hint_settings(args)[1]},
+                 "max_hint_actions": max_hint, "segment_hint": hint},
         "stopped": stopped, "wall_s": round(wall, 1), "budget_s": tally.budget_s,
         "updates": last["version"] if last else 0, "updates_over_budget": len(saved) - len(counted),
         "env_steps": last["env_steps"] if last else 0, "env_steps_all": tally.env_steps,

@@ -448,6 +448,9 @@ class EvaluatorConfig(Strict):
     """Overrides of ``task.env_config`` for validation, e.g. ``{split = "dev"}``."""
     on_reasons: list[str] = msgspec.field(default_factory=lambda: ["warmstart"])
     """Policy versions published for these reasons are always evaluated (rollbacks always are)."""
+    start: bool = True
+    """Evaluate the run's first version (version 0, whatever its reason). Off where a held-out
+    judge plays version 0 anyway: on a slow LLM task it takes the loop's first minutes."""
     engine: Literal["learner", "sampler"] = "learner"
     """What plays the validation episodes: ``learner``, a torch copy of the trainable policy;
     ``sampler``, the sampler's acting engine (a vLLM engine of its own when ``policy.backend =

@@ -74,6 +74,11 @@ def test_which_versions_the_evaluator_validates_and_why(tiny):
     assert eval_trigger(cfg, version(1, "warmstart")) == "reason:warmstart"
     every = tiny.config(evaluator={"every_versions": 0})  # 0 is read as 1: every version
     assert eval_trigger(every, version(3)) == "schedule"
+    no_start = tiny.config(evaluator={"start": False})  # version 0 is left to a judge
+    assert eval_trigger(no_start, version(0, "warmstart")) == ""
+    assert eval_trigger(no_start, version(0, "init")) == ""
+    assert eval_trigger(no_start, version(4)) == "schedule"
+    assert eval_trigger(no_start, version(0, final=1.0)) == "final"
 
 
 def test_cut_all_closes_open_segments_as_length_cuts_and_frees_the_floor():

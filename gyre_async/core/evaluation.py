@@ -9,7 +9,7 @@ every evaluation is comparable. Environment latency is kept as configured, so va
 measures the task the sampler sees.
 
 Which versions (:func:`eval_trigger`): every ``evaluator.every_versions`` versions (version
-0 always), the one the learner marks final, every rollback version, and any version
+0 unless ``evaluator.start`` is off), the one the learner marks final, every rollback version, and any version
 published for a reason in ``evaluator.on_reasons`` (warm-start). Nothing here touches the
 bus: the evaluator actor and ``gyre run``'s closing evaluation publish what
 :meth:`Evaluation.run` returns. Episodes run concurrently (asyncio) so that one batched
@@ -196,6 +196,8 @@ def eval_trigger(cfg: Config, version: PolicyVersion) -> str:
     """Why this version is evaluated ("" when it is not)."""
     if version.metrics.get("final", 0.0) > 0:
         return "final"
+    if version.version == 0 and not cfg.evaluator.start:
+        return ""
     if version.reason == "rollback" or version.reason in cfg.evaluator.on_reasons:
         return f"reason:{version.reason}"  # a rollback's recovery is always measured
     if version.version % max(cfg.evaluator.every_versions, 1) == 0:

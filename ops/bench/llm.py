@@ -128,7 +128,8 @@ EVAL_AT_ONCE = 32
 LONG_TASK = {"env": "twx", **LONG_TASK_GAME, "context": "segment", "context_tokens": 2048,
              "warmstart_demos": 16, "warmstart_epochs": 2,
              "test_episodes": 96, "select_every": 8,
-             "select_episodes": 32, "eval_episodes": 16, "eval_every": 1000}
+             "select_episodes": 32, "eval_episodes": 16, "eval_every": 1000,
+             "eval_start": "no"}
 
 
 def apply_long_task(args: argparse.Namespace, argv: list[str]) -> None:
@@ -180,7 +181,8 @@ def bench_config(args: argparse.Namespace) -> Config:
         evaluator={"every_versions": args.eval_every, "greedy": args.decoding == "greedy",
                    "temperature": args.temperature, "seeds": list(range(args.eval_episodes)),
                    "engine": "sampler" if args.eval_engine == "vllm" else "learner",
-                   "env_config": valid, "concurrency": EVAL_AT_ONCE},
+                   "env_config": valid, "concurrency": EVAL_AT_ONCE,
+                   "start": args.eval_start == "yes"},
         loop={"max_wall_s": args.minutes * 60, "max_staleness": args.max_staleness,
               "max_env_steps": args.env_steps},
     )
@@ -635,6 +637,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--train-games", type=int, default=64)
     p.add_argument("--eval-episodes", type=int, default=32, help="unseen valid games")
     p.add_argument("--eval-every", type=int, default=4, help="policy versions per evaluation")
+    p.add_argument("--eval-start", default="yes", choices=["yes", "no"],
+                   help="validate version 0 in the loop (--long-task: no; the held-out judge "
+                        "plays version 0 on dev and test games anyway, and in the loop it took "
+                        "the first ~20 minutes beside sampler and learner)")
     p.add_argument("--test-episodes", type=int, default=0,
                    help="after the run, held-out figures (ops/bench/llm_heldout.py): the "
                         "version is chosen on --select-episodes dev games among every "

@@ -219,6 +219,12 @@ class SegmenterConfig(Strict):
     """A segment closes at this length even without a sub-task boundary."""
     close_on_milestone: bool = True
     """Close a segment when a milestone (sub-task) is reached."""
+    milestone_min_steps: CountOrZero = 0
+    """A milestone closes its segment only once the segment holds at least this many steps
+    (0 or 1: every milestone closes one). Where milestones come every few steps (a recipe's
+    every ingredient taken, cut, cooked), each segment's opening (prompt, task, valid
+    commands) is most of what the sampler prefills and the learner reads; a later milestone
+    past this length closes the segment, and every milestone is still paid at its step."""
     close_on_state_change: bool = False
     """Close a segment when the environment reports a significant state change."""
     cap_ends_episode: bool = False

@@ -31,10 +31,12 @@ def _result(done: bool, milestone: bool, changed: bool) -> StepResult:
 
 @pytest.mark.parametrize("close_on_milestone", [True, False])
 @pytest.mark.parametrize("close_on_state_change", [True, False])
+@pytest.mark.parametrize("milestone_min_steps", [0, 3])
 def test_the_sampler_sees_segments_open_where_the_segmenter_opens_them(
-        close_on_milestone, close_on_state_change):
+        close_on_milestone, close_on_state_change, milestone_min_steps):
     config = SegmenterConfig(max_segment_steps=5, close_on_milestone=close_on_milestone,
-                             close_on_state_change=close_on_state_change)
+                             close_on_state_change=close_on_state_change,
+                             milestone_min_steps=milestone_min_steps)
     rng = random.Random(7)
     segmenter = SegmenterCore(config)
     opened_by_segmenter: list[tuple[str, int]] = []
@@ -57,6 +59,32 @@ def test_the_sampler_sees_segments_open_where_the_segmenter_opens_them(
                 opened_by_segmenter.append((closed.trajectory_id, closed.steps[0].step_index))
     assert sorted(opened_by_sampler) == sorted(opened_by_segmenter)
     assert len(opened_by_segmenter) > 30  # segments inside episodes, not just one each
+
+
+def test_a_milestone_closes_a_segment_only_once_it_holds_milestone_min_steps():
+    """Milestones at steps 0, 1, 2, 6 and 7 of one episode: every one closes a segment by
+    default; with ``milestone_min_steps = 3`` the first closes at step 2 (three steps), the
+    next at step 6, and step 7's milestone falls in a one-step segment that stays open
+    until the episode ends."""
+    def segment_lengths(config: SegmenterConfig) -> list[tuple[int, str]]:
+        cursor, lengths, length = SegmentCursor(config), [], 0
+        for i in range(10):
+            length += 1
+            boundary = cursor.after(_result(done=i == 9, milestone=i in (0, 1, 2, 6, 7),
+                                            changed=False))
+            if boundary is not None:
+                lengths.append((length, boundary))
+                length = 0
+        return lengths
+
+    every = segment_lengths(SegmenterConfig(max_segment_steps=24))
+    assert every == [(1, "milestone"), (1, "milestone"), (1, "milestone"), (4, "milestone"),
+                     (1, "milestone"), (2, "trajectory-end")]
+    fewer = segment_lengths(SegmenterConfig(max_segment_steps=24, milestone_min_steps=3))
+    assert fewer == [(3, "milestone"), (4, "milestone"), (3, "trajectory-end")]
+    capped = segment_lengths(SegmenterConfig(max_segment_steps=2, milestone_min_steps=3))
+    # the length cap still cuts first (the milestones at steps 1 and 7 end 2-step segments)
+    assert capped == [(2, "max-length")] * 4 + [(2, "trajectory-end")]
 
 
 def _dropped(segment: str, reason: str = "stale", steps: int = 0, consumed: int = 0,

@@ -160,7 +160,8 @@ def segment_boundary(config: SegmenterConfig, length: int, *, ended: bool, miles
     ``length`` counts the steps of the open segment, the step in question included; the
     flags are that step's (``ended``: done or truncated; ``context_full``: its next
     segment context would pass the policy's token budget). A segment closes when the
-    trajectory ends, at a milestone (``close_on_milestone``), at a significant state change
+    trajectory ends, at a milestone (``close_on_milestone``) once the segment holds
+    ``milestone_min_steps`` steps, at a significant state change
     (``close_on_state_change``), at ``max_segment_steps`` steps, or when its context is
     full; None: it stays open. :meth:`SegmenterCore.add` cuts with it, and the sampler asks
     it while acting (:class:`~gyre_async.core.pacing.SegmentCursor`): where its segment
@@ -169,7 +170,7 @@ def segment_boundary(config: SegmenterConfig, length: int, *, ended: bool, miles
     segmenter sees, is the one exception; see :meth:`SegmenterCore.add`)."""
     if ended:
         return "trajectory-end"
-    if milestone and config.close_on_milestone:
+    if milestone and config.close_on_milestone and length >= config.milestone_min_steps:
         return "milestone"
     if state_changed and config.close_on_state_change:
         return "state-change"

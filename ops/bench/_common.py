@@ -59,7 +59,8 @@ LONG_TASK_GAME = {"twx_game": "cookingworld",
 
 
 def add_pacing_flags(p: argparse.ArgumentParser, where: str = "") -> None:
-    """``--max-staleness`` and ``--max-segment-steps``: the room pacing gives an LLM loop
+    """``--max-staleness``, ``--max-segment-steps`` and ``--milestone-min-steps``: how an
+    LLM loop's segments are cut and the room pacing gives it
     (``where``: e.g. ", both modes", appended to each flag's config name)."""
     p.add_argument("--max-staleness", type=int, default=2,
                    help=f"loop.max_staleness{where}: versions a segment may lag the learner. "
@@ -68,6 +69,10 @@ def add_pacing_flags(p: argparse.ArgumentParser, where: str = "") -> None:
                    "and 64-step segments about 2 of 8 slots act at once")
     p.add_argument("--max-segment-steps", type=int, default=0,
                    help=f"segmenter.max_segment_steps{where} (0: the episode cap, --max-steps)")
+    p.add_argument("--milestone-min-steps", type=int, default=0,
+                   help=f"segmenter.milestone_min_steps{where}: a milestone closes its segment "
+                   "only once it holds this many steps (0: every milestone closes one; on the "
+                   "long task a segment's opening was half of what the learner read)")
 
 
 def apply_preset(args: argparse.Namespace, argv: list[str], preset: dict[str, Any]) -> None:

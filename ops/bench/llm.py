@@ -173,6 +173,7 @@ def bench_config(args: argparse.Namespace) -> Config:
         sampler={"num_envs": args.num_envs, "temperature": args.temperature,
                  "group_size": args.group_size, "step_timeout_s": 300.0},
         segmenter={"max_segment_steps": args.max_segment_steps or args.max_steps,
+                   "milestone_min_steps": args.milestone_min_steps,
                    "cap_ends_episode": args.cap == "terminal"},
         learner={"batch_steps": args.batch_steps, "minibatch_steps": args.minibatch_steps,
                  "epochs": args.epochs, "learning_rate": args.learning_rate, "max_versions": 0,

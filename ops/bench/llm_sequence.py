@@ -154,6 +154,7 @@ def mode_config(args: argparse.Namespace, mode: str) -> Config:
         sampler={"num_envs": args.num_envs, "temperature": args.temperature, "group_size": 1,
                  "step_timeout_s": 300.0},
         segmenter={"max_segment_steps": args.max_segment_steps or args.max_steps,
+                   "milestone_min_steps": args.milestone_min_steps,
                    "cap_ends_episode": True},
         learner={"batch_steps": args.batch_steps, "minibatch_steps": args.minibatch_steps,
                  "epochs": 1, "learning_rate": args.learning_rate, "max_versions": 0,

@@ -17,7 +17,7 @@ from gyre_async.bus.reading import read_events
 from gyre_async.folds.fold import FoldBase, restore
 from gyre_async.folds.run_fold import RunFold
 from schemas import Event
-from schemas.events import PolicyVersion
+from schemas.events import PolicyVersion, SegmentClosed
 from schemas.topics import EVAL, POLICY_VERSION, SCORED, SEGMENT_CLOSED, TELEMETRY, TRAJECTORY_STEP
 
 
@@ -106,6 +106,53 @@ def metrics_rows(log: RunFold) -> list[dict]:
     return rows
 
 
+#: parts the training episodes are cut into, in the order they ended
+EPISODE_PARTS = 4
+
+
+def training_episodes(segments: list[SegmentClosed]) -> list[dict]:
+    """Each finished training episode, in the order it ended, from its segments: length,
+    milestones reached (on a task that pays its score points as milestones, the score),
+    won, lost (ended by the game, not the cap), failed (an environment failure) and the
+    policy version that acted its last segment first."""
+    by_trajectory: dict[str, list[SegmentClosed]] = {}
+    for seg in segments:
+        by_trajectory.setdefault(seg.trajectory_id, []).append(seg)
+    episodes = []
+    for segs in by_trajectory.values():
+        last = next((s for s in segs if s.trajectory_done), None)
+        if last is None:
+            continue  # still running when the log ends
+        episodes.append({"ts": last.ts, "length": max(s.step_end for s in segs),
+                         "milestones": sum(len(s.milestones) for s in segs),
+                         "won": last.success, "lost": last.lost, "failed": bool(last.failure),
+                         "version": last.min_policy_version})
+    return sorted(episodes, key=lambda e: e["ts"])
+
+
+def training_parts(segments: list[SegmentClosed], parts: int = EPISODE_PARTS) -> list[dict]:
+    """The training episodes in ``parts`` consecutive groups (by when they ended): whether
+    the policy got better at the task it trains on, in figures a long task moves (mean
+    milestones, losses, length) even while it wins none."""
+    episodes = training_episodes(segments)
+    if not episodes:
+        return []
+    size = -(-len(episodes) // parts)
+    rows = []
+    for start in range(0, len(episodes), size):
+        part = episodes[start : start + size]
+        n = len(part)
+        rows.append({"episodes": f"{start}-{start + n - 1}",
+                     "versions": f"{min(e['version'] for e in part)}-"
+                                 f"{max(e['version'] for e in part)}",
+                     "won": sum(e["won"] for e in part), "of": n,
+                     "lost": sum(e["lost"] for e in part),
+                     "failed": sum(e["failed"] for e in part),
+                     "mean_milestones": round(sum(e["milestones"] for e in part) / n, 3),
+                     "mean_length": round(sum(e["length"] for e in part) / n, 1)})
+    return rows
+
+
 def summarize(log: RunFold, wall_seconds: float) -> dict:
     first = log.evals[0] if log.evals else None
     last = log.evals[-1] if log.evals else None
@@ -134,6 +181,9 @@ def summarize(log: RunFold, wall_seconds: float) -> dict:
         "max_staleness_trained": log.max_staleness_seen,
         "evals": [{"version": e.policy_version, "success": e.success_rate,
                    "score": e.mean_score} for e in log.evals],
+        # the training episodes in four groups by when they ended (empty: the fold kept
+        # no records, as the live monitor's does)
+        "training_parts": training_parts(log.segments),
         "undecodable_records": log.read.skipped,
         "max_unconsumed": {name: seen.max_unconsumed for name, seen in sorted(log.actors.items())},
     }

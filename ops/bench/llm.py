@@ -856,6 +856,9 @@ def result_of(args: argparse.Namespace, base: dict, run: Run, loop: InLoop, cmp:
         # None for a run whose summary predates the figure, reported again by --report)
         "stale_dropped_fraction": summary.get("stale_dropped_fraction"),
         "credit": args.credit,
+        # the training episodes in four parts by when they ended (the run's summary; a
+        # long task's learning shows in milestones and losses before any game is won)
+        "training_parts": summary.get("training_parts"),
         "online_seconds": round(run.online_s, 1),
         "learner_tokens_per_s": cmp["learner_tokens_per_s"],
         "raw_learner_tokens_per_s": cmp["raw_learner_tokens_per_s"],

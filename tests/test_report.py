@@ -226,8 +226,9 @@ def test_report_of_a_real_run_renders_offline(tiny_run, tmp_path):
     assert leak in probe["requests"], "control: a remote image must be seen as a request"
     text = shown["text"]
     for heading in ("Learning curves", "Reward components", "Staleness", "Segments",
-                    "Throughput", "Summary", "Dead letters", "Config"):
+                    "Throughput", "Summary", "Dead letters", "Config", "Training episodes"):
         assert heading in text
+    assert "mean milestones" in text and "no finished training episodes" not in text
     assert "figure failed" not in text
     shot = (tiny_run / "report_screenshot.png").read_bytes()
     assert shot[:8] == b"\x89PNG\r\n\x1a\n"
@@ -290,6 +291,7 @@ def test_report_cli_without_data_and_with_a_rollback(tmp_path, capsys):
     assert run(parser.parse_args(["report", str(run_dir)])) == 0  # no log, no files at all
     page = (run_dir / "report.html").read_text()
     assert "no event log" in page and page.count("no data") >= len(FIGURES)
+    assert "no finished training episodes" in page
     assert not (run_dir / "events.db").exists()  # reading never creates a log
 
     asyncio.run(_write_log(run_dir / "events.db", []))  # every topic, no events

@@ -190,6 +190,17 @@ def _evals_html(d: ReportData) -> str:
                    "mean length", "time", "milestone rates"], rows)
 
 
+def _training_parts_html(s: dict) -> str:
+    """The training episodes in parts by when they ended (``summary.training_parts``)."""
+    parts = s.get("training_parts") or []
+    if not parts:
+        return _nodata("no finished training episodes")
+    rows = [[p["episodes"], p["versions"], f"{p['won']}/{p['of']}", p["lost"], p["failed"],
+             p["mean_milestones"], p["mean_length"]] for p in parts]
+    return _table(["episodes (in the order they ended)", "versions", "won", "lost by the game",
+                   "failed", "mean milestones", "mean length"], rows)
+
+
 def _health_html(d: ReportData) -> str:
     drops = Counter(x.reason for x in d.dropped)
     rows = [["dropped segments", len(d.dropped), ", ".join(f"{r}: {n}" for r, n in
@@ -248,8 +259,9 @@ def render_html(d: ReportData, figures: dict) -> str:
         ("events", "Event log"), ("config", "Config")]
     parts.append("<nav>" + "".join(f"<a href='#{n}'>{_e(t)}</a>" for n, t in links) + "</nav>")
     parts += [_figure_html(name, result) for name, result in figures.items()]
-    parts.append(f"<section id='evals'><h2>Evaluations</h2>{_evals_html(d)}</section>")
-    rows = [[k, v] for k, v in s.items() if k != "evals"]
+    parts.append(f"<section id='evals'><h2>Evaluations</h2>{_evals_html(d)}"
+                 f"<h2>Training episodes</h2>{_training_parts_html(s)}</section>")
+    rows = [[k, v] for k, v in s.items() if k not in ("evals", "training_parts")]
     parts.append(f"<section id='summary'><h2>Summary</h2><p class='cap'>Source: {_e(source)}"
                  f"</p>{_table(['metric', 'value'], rows, 'kv')}<h2>Health</h2>"
                  f"{_health_html(d)}</section>")

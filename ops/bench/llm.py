@@ -164,7 +164,7 @@ def bench_config(args: argparse.Namespace) -> Config:
         run={"run_id": "bench-llm", "run_dir": os.path.join(args.out, "run"), "seed": args.seed,
              "mode": "async"},
         task={"env": args.env, "env_config": train},
-        policy={"backend": args.sampler, "model": "smollm2",
+        policy={"backend": args.sampler, "model": args.model,
                 "context_tokens": args.context_tokens, "history_turns": args.history_turns,
                 "context": args.context, "segment_hint": args.segment_hint,
                 "max_action_tokens": args.max_action_tokens,
@@ -177,6 +177,7 @@ def bench_config(args: argparse.Namespace) -> Config:
                    "cap_ends_episode": args.cap == "terminal"},
         learner={"batch_steps": args.batch_steps, "minibatch_steps": args.minibatch_steps,
                  "epochs": args.epochs, "learning_rate": args.learning_rate, "max_versions": 0,
+                 "kl_to_base": args.kl_to_base,
                  "micro_steps": args.micro_steps, "entropy_coef": args.entropy_coef,
                  "micro_tokens": args.micro_tokens if args.context == "segment" else 0},
         evaluator={"every_versions": args.eval_every, "greedy": args.decoding == "greedy",
@@ -686,6 +687,14 @@ def parser() -> argparse.ArgumentParser:
                         "tokens (learner.micro_tokens; warm-start too)")
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--learning-rate", type=float, default=2e-4)
+    p.add_argument("--kl-to-base", type=float, default=0.0,
+                   help="learner.kl_to_base: a KL penalty toward the model under the adapters "
+                        "(with --model a merged warm start, toward that start)")
+    p.add_argument("--model", default="smollm2",
+                   help="policy.model: smollm2, or a Hugging Face model directory, e.g. a "
+                        "run's warm start merged (`gyre export-model RUN --version 0 --out "
+                        "DIR`) with --warmstart-demos 0: RL trains fresh adapters over it, "
+                        "and 'base' is that start")
     p.add_argument("--entropy-coef", type=float, default=0.0,
                    help="entropy bonus per action token (0: over a 49k-token vocabulary the "
                         "0.01 default raised entropy 0.07 -> 0.34 in four updates once nearly "

@@ -351,6 +351,12 @@ class LearnerConfig(Strict):
     the non-negative estimator ``exp(r) - r - 1`` with ``r = log p_base - log p``."""
     is_cap: Positive = 5.0
     """Cap of the importance weight pi_prox / pi_behaviour for stale samples."""
+    advantage_std_floor: NonNegative = 0.0
+    """The policy gradient's advantages are centred and divided by their spread, but by no
+    less than this (0: always by their spread). A batch with nothing to learn from (no game
+    won, a few small milestone rewards, the critic's errors) has advantages of a few
+    hundredths, which division by their spread makes as large as a real signal's; with a
+    floor (e.g. a milestone's reward) such a batch moves the policy that much less."""
     max_grad_norm: Positive = 1.0
     """Gradient clipping."""
     max_versions: CountOrZero = 0

@@ -42,6 +42,14 @@ def kl_to_base(logprobs: torch.Tensor, base: torch.Tensor, mask: torch.Tensor) -
     return ((torch.exp(r) - r - 1.0) * mask).sum()
 
 
+def normalised_advantages(adv: torch.Tensor, std_floor: float = 0.0) -> torch.Tensor:
+    """Centred and divided by their spread, or by ``std_floor`` when the spread is smaller
+    (``learner.advantage_std_floor``); one advantage is left as it is."""
+    if len(adv) <= 1:
+        return adv
+    return (adv - adv.mean()) / (adv.std().clamp(min=std_floor) + 1e-8)
+
+
 def index_slices(n: int, size: int) -> list[list[int]]:
     return [list(range(start, min(n, start + size))) for start in range(0, n, size)]
 
@@ -56,7 +64,7 @@ class PpoEpochs:
         #: the rows as read together: a one-sequence segment's steps, or one step
         self.units = self._row_units(list(range(prep.n))) if prep.sequences else []
         n, adv = prep.n, prep.advantages
-        self.adv_norm = (adv - adv.mean()) / (adv.std() + 1e-8) if n > 1 else adv
+        self.adv_norm = normalised_advantages(adv, settings.advantage_std_floor)
         width = max(len(a) for a in prep.actions)
         self.behaviour = torch.zeros(n, width)
         self.token_mask = torch.zeros(n, width, dtype=torch.bool)

@@ -178,6 +178,7 @@ def bench_config(args: argparse.Namespace) -> Config:
         learner={"batch_steps": args.batch_steps, "minibatch_steps": args.minibatch_steps,
                  "epochs": args.epochs, "learning_rate": args.learning_rate, "max_versions": 0,
                  "kl_to_base": args.kl_to_base,
+                 "advantage_std_floor": args.advantage_std_floor,
                  "micro_steps": args.micro_steps, "entropy_coef": args.entropy_coef,
                  "micro_tokens": args.micro_tokens if args.context == "segment" else 0},
         evaluator={"every_versions": args.eval_every, "greedy": args.decoding == "greedy",
@@ -690,6 +691,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--kl-to-base", type=float, default=0.0,
                    help="learner.kl_to_base: a KL penalty toward the model under the adapters "
                         "(with --model a merged warm start, toward that start)")
+    p.add_argument("--advantage-std-floor", type=float, default=0.0,
+                   help="learner.advantage_std_floor: divide the advantages by their spread "
+                        "but by no less than this (e.g. a milestone's 0.1), so a batch with "
+                        "no real signal moves the policy less")
     p.add_argument("--model", default="smollm2",
                    help="policy.model: smollm2, or a Hugging Face model directory, e.g. a "
                         "run's warm start merged (`gyre export-model RUN --version 0 --out "

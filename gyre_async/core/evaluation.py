@@ -9,10 +9,10 @@ every evaluation is comparable. Environment latency is kept as configured, so va
 measures the task the sampler sees.
 
 Which versions (:func:`eval_trigger`): every ``evaluator.every_versions`` versions (version
-0 unless ``evaluator.start`` is off), the one the learner marks final, every rollback version, and any version
-published for a reason in ``evaluator.on_reasons`` (warm-start). Nothing here touches the
-bus: the evaluator actor and ``gyre run``'s closing evaluation publish what
-:meth:`Evaluation.run` returns. Episodes run concurrently (asyncio) so that one batched
+0 unless ``evaluator.start`` is off), the one the learner marks final, every rollback
+version, and any version published for a reason in ``evaluator.on_reasons`` (warm-start).
+Nothing here touches the bus: the evaluator actor and ``gyre run``'s closing evaluation
+publish what :meth:`Evaluation.run` returns. Episodes run concurrently (asyncio) so that one batched
 policy serves them all.
 """
 

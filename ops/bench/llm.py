@@ -188,9 +188,8 @@ def bench_config(args: argparse.Namespace) -> Config:
                    "start": args.eval_start == "yes"},
         loop={"max_wall_s": args.minutes * 60, "max_staleness": args.max_staleness,
               "max_env_steps": args.env_steps},
+        arbiter={"outcome_lost": args.outcome_lost},  # None: as a cut (outcome_failure)
     )
-    if args.outcome_lost is not None:
-        cfg = make_config(cfg, arbiter={"outcome_lost": args.outcome_lost})
     return make_config(cfg, **credit_overrides(args))
 
 

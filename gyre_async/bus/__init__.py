@@ -14,9 +14,9 @@ from gyre_async.bus.base import (
     TopicInfo,
     partition_for,
 )
-from gyre_async.bus.url import BusURLError, open_bus
+from gyre_async.bus.url import BusURLError, NoEventLog, open_bus
 
 __all__ = [
-    "Bus", "BusError", "BusURLError", "BusUnreachable", "Consumer", "MessageTooLarge", "Record",
+    "Bus", "BusError", "BusURLError", "BusUnreachable", "NoEventLog", "Consumer", "MessageTooLarge", "Record",
     "TopicInfo", "open_bus", "partition_for",
 ]

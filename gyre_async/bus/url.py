@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from urllib.parse import urlparse
 
 from gyre_async.bus.base import Bus
@@ -15,7 +16,13 @@ class BusURLError(ConfigError, ValueError):
     error (exit status 2)."""
 
 
-def open_bus(url: str, **options: object) -> Bus:
+class NoEventLog(ConfigError, FileNotFoundError):
+    """A reader named an embedded event log that does not exist. Readers never make one: an
+    empty ``events.db`` left where a run is about to start makes that run refuse its
+    directory (it would otherwise append to another run's log)."""
+
+
+def open_bus(url: str, *, reader: bool = False, **options: object) -> Bus:
     """Build (not start) the bus a URL names.
 
     ``sqlite:///rel/path.db``, ``sqlite:////abs/path.db`` or a plain path ending in ``.db``
@@ -24,13 +31,25 @@ def open_bus(url: str, **options: object) -> Bus:
     ``${NAME}`` in a query value (``sasl_plain_password=${GYRE_KAFKA_PASSWORD}``) is the
     environment variable ``NAME``, read here, when the bus is built, and nowhere else (see
     :mod:`gyre_async.bus.secrets`).
+
+    ``reader=True``: the caller only reads a run's log (``gyre inspect``, ``replay``,
+    ``topics``, ``archive``, ``export-model``, the benches' judges): an embedded log that does
+    not exist raises :class:`NoEventLog` here, before anything is created on disk. A Kafka
+    bus is the broker's; there is nothing to create on the reader's side.
     """
     try:
-        return _open_bus(url, **options)
+        bus = _open_bus(url, **options)
     except BusURLError:
         raise
     except ValueError as exc:  # the backends' own option checks: as wrong as a bad URL
         raise BusURLError(redact(str(exc))) from None
+    if reader:
+        from gyre_async.bus.embedded import EmbeddedBus
+
+        if isinstance(bus, EmbeddedBus) and not os.path.isfile(bus.path):
+            raise NoEventLog(f"no event log at {bus.path}: check the run directory (or --bus); "
+                             "a reader never creates one")
+    return bus
 
 
 def _open_bus(url: str, **options: object) -> Bus:

@@ -31,7 +31,7 @@ async def archive_run(args) -> int:
     os.makedirs(args.out, exist_ok=True)
     out = os.path.join(args.out, "events.db")
     topics = args.topics.split(",") if args.topics else None
-    async with open_bus(args.bus) as bus:
+    async with open_bus(args.bus, reader=True) as bus:
         counts = await archive(bus, out, topics)
     for name, n in sorted(counts.items()):
         print(f"{name:<20} {n:>10}")

@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
 async def inspect(url: str, args, cfg) -> int:
     from gyre_async.audit.inspect_trajectory import collect, render
 
-    async with open_bus(url) as bus:
+    async with open_bus(url, reader=True) as bus:
         info = await collect(bus, args.trajectory_id)
     decode = None
     if args.contexts and args.config:

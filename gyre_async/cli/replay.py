@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
 async def replay_role(url: str, cfg, args) -> int:
     from gyre_async.audit.replay import replay, report_json
 
-    async with open_bus(url, max_message_bytes=cfg.bus.max_message_bytes) as bus:
+    async with open_bus(url, reader=True, max_message_bytes=cfg.bus.max_message_bytes) as bus:
         report = await replay(bus, args.role, cfg, name=args.name)
     if args.json:
         sys.stdout.write(report_json(report).decode() + "\n")

@@ -24,7 +24,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def topics(url: str) -> int:
-    async with open_bus(url) as bus:
+    async with open_bus(url, reader=True) as bus:
         infos = await bus.topics()
         groups = await bus.groups()
         print(f"{'topic':<20} {'parts':>5} {'records':>10}")

@@ -56,7 +56,7 @@ async def choose_version(run_dir: str, wanted: str, bus: str | None = None) -> C
             best = msgspec.json.decode(f.read(), type=BestVersion)
         return Chosen(best.version, _in_roots(roots, best.checkpoint), best.checkpoint_hash,
                       f"best validated ({best.chosen_by}: success {best.success_rate:.3f})")
-    async with open_bus(bus_url(cfg, bus)) as events:
+    async with open_bus(bus_url(cfg, bus), reader=True) as events:
         if wanted in ("best", "final"):
             latest = await current_policy_version(events, cfg.run.run_id, roots.trusts)
             if latest is None:

@@ -74,7 +74,7 @@ async def curve(run_dir: str) -> list[tuple[int, float, int]]:
     step_ts: list[float] = []
     published: dict[int, float] = {}
     evals: list[EvalResult] = []
-    async with open_bus(f"sqlite:///{os.path.abspath(run_dir)}/events.db") as bus:
+    async with open_bus(f"sqlite:///{os.path.abspath(run_dir)}/events.db", reader=True) as bus:
         # a measurement: a log that does not read back in full stops it (raise)
         async for _record, event in read_events(bus, [TRAJECTORY_STEP, POLICY_VERSION, EVAL],
                                                 on_bad="raise"):

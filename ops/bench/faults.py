@@ -68,7 +68,7 @@ async def failures(run_dir: str) -> dict:
     """Episodes ended and failed (by kind), read from the run's log."""
     ended: set[str] = set()
     kinds: dict[str, int] = {}
-    async with open_bus(f"sqlite:///{os.path.abspath(run_dir)}/events.db") as bus:
+    async with open_bus(f"sqlite:///{os.path.abspath(run_dir)}/events.db", reader=True) as bus:
         async for _, event in read_events(bus, [TRAJECTORY_STEP, SEGMENT_CLOSED],
                                           on_bad="raise"):
             if isinstance(event, EnvError):

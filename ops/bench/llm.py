@@ -207,7 +207,7 @@ async def publish_to_act(url: str, run_id: str) -> list[float]:
     """Seconds from each policy-version to the first step acted with it (the event log)."""
     published: dict[int, float] = {}
     first_act: dict[int, float] = {}
-    async with open_bus(url) as bus:
+    async with open_bus(url, reader=True) as bus:
         async for _, e in read_events(bus, [POLICY_VERSION, TRAJECTORY_STEP], on_bad="skip",
                                       run_id=run_id):
             if isinstance(e, PolicyVersion):
@@ -222,7 +222,7 @@ async def publish_to_act(url: str, run_id: str) -> list[float]:
 async def version_reasons(url: str, run_id: str) -> dict[int, str]:
     """Why each policy version was published (``warmstart``, ``update``, ``rollback``...)."""
     reasons: dict[int, str] = {}
-    async with open_bus(url) as bus:
+    async with open_bus(url, reader=True) as bus:
         async for _, e in read_events(bus, [POLICY_VERSION], on_bad="skip", run_id=run_id):
             if isinstance(e, PolicyVersion):
                 reasons.setdefault(e.version, e.reason)

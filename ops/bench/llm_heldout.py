@@ -74,7 +74,7 @@ async def published_versions(run_dir: str, run_id: str) -> list[PolicyVersion]:
     """The run's own versions (init, warm-start, updates: not rollbacks, which republish old
     weights), first publication of each, in order."""
     seen: dict[int, PolicyVersion] = {}
-    async with open_bus(f"sqlite:///{run_dir}/events.db") as bus:
+    async with open_bus(f"sqlite:///{run_dir}/events.db", reader=True) as bus:
         async for _, e in read_events(bus, [POLICY_VERSION], on_bad="skip", run_id=run_id):
             if isinstance(e, PolicyVersion) and e.reason != "rollback":
                 seen.setdefault(e.version, e)

@@ -174,7 +174,7 @@ def mode_config(args: argparse.Namespace, mode: str) -> Config:
 async def sampler_stats(cfg: Config) -> dict[str, float]:
     """The sampler's last heartbeat (sent as it stopped): its counters."""
     stats: dict[str, float] = {}
-    async with open_bus(f"sqlite:///{cfg.run.run_dir}/events.db") as bus:
+    async with open_bus(f"sqlite:///{cfg.run.run_dir}/events.db", reader=True) as bus:
         async for _, event in read_events(bus, [TELEMETRY], on_bad="skip",
                                           run_id=cfg.run.run_id):
             if isinstance(event, Heartbeat) and event.role == "sampler":

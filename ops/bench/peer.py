@@ -432,7 +432,7 @@ async def gyre_curve(run_dir: Path) -> dict:
     cfg = make_config(str(run_dir / "config.json"))
     steps: list[tuple[float, bool, bool]] = []
     versions: dict[int, tuple[float, list[str]]] = {}
-    async with open_bus(f"sqlite:///{run_dir}/events.db") as bus:
+    async with open_bus(f"sqlite:///{run_dir}/events.db", reader=True) as bus:
         async for _, e in read_events(bus, [POLICY_VERSION, TRAJECTORY_STEP], on_bad="skip",
                                       run_id=cfg.run.run_id):
             if isinstance(e, TrajectoryStep):

@@ -52,7 +52,7 @@ def drill_config(run_dir: str, name: str, versions: int, poison_at: int, factor:
 
 
 async def read_log(run_dir: str):
-    async with open_bus(f"sqlite:///{run_dir}/events.db") as bus:
+    async with open_bus(f"sqlite:///{run_dir}/events.db", reader=True) as bus:
         # a measurement: a log that does not read back in full stops it (raise)
         events = [e async for _, e in read_events(
             bus, [POLICY_VERSION, EVAL, KEEPER], on_bad="raise")]

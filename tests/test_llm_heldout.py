@@ -174,3 +174,19 @@ def test_a_play_is_kept_by_its_weights_and_game_settings(heldout, tmp_path):
         f.write('{"key": "cut sh')  # a write cut short: ignored, that play runs again
     reread = heldout.PlayBook(str(path))
     assert reread.get(key) == {"wins": 3, "episodes": 8} and len(reread.kept) == 1
+
+
+def test_a_torch_run_is_judged_by_vllm_with_its_versions_merged(heldout):
+    cfg = load_config(ROOT / "ops" / "configs" / "twx.toml")
+    s = msgspec.structs.replace
+    hf = s(cfg, policy=s(cfg.policy, backend="hf"))
+    judged = heldout.vllm_judged(hf, "vllm")
+    assert judged.policy.backend == "vllm" and judged.policy.vllm_lora == "merged"
+    assert judged.policy.model == hf.policy.model and judged.policy.lora.rank == hf.policy.lora.rank
+    assert heldout.PlayBook.key(judged, "vllm", "base") != heldout.PlayBook.key(hf, "torch", "base")
+    assert heldout.vllm_judged(hf, "torch") is hf  # torch plays the run as it ran
+    vllm_run = s(cfg, policy=s(cfg.policy, backend="vllm"))
+    assert heldout.vllm_judged(vllm_run, "vllm") is vllm_run  # its own vllm_lora setting
+    tiny = s(cfg, policy=s(cfg.policy, backend="tiny"))
+    with pytest.raises(SystemExit, match="only a pretrained model"):
+        heldout.vllm_judged(tiny, "vllm")

@@ -25,9 +25,10 @@ the base model's plays (a 96-game judging of the long task takes tens of minutes
 
 Every version's weights are loaded from the run's checkpoints (sha256 verified) as the
 evaluator loads them, and played through the evaluator's own code (``evaluate``), by
-``--engine``: ``vllm`` (the run's policy must have ``backend = "vllm"``: run it with the
-vLLM virtualenv, ``source ops/vllm_venv.sh; $PY ops/bench/llm_heldout.py ...``) or
-``torch``. Nothing else runs meanwhile: these are the run's figures, not its speed.
+``--engine``: ``vllm`` (run it with the vLLM virtualenv, ``source ops/vllm_venv.sh; $PY
+ops/bench/llm_heldout.py ...``; a run that acted through torch, ``backend = "hf"``, is played
+by the engine with each version merged into the base weights) or ``torch``. Nothing else
+runs meanwhile: these are the run's figures, not its speed.
 
 Last line, one JSON object:
 {"bench": "llm_heldout", "base_success": x, "best_success": x, "best_success_ci_low": x,
@@ -142,6 +143,22 @@ def split_config(cfg: Config, split: str, episodes: int, engine: str,
                                        "engine": "sampler" if engine == "vllm" else "learner"})
 
 
+def vllm_judged(cfg: Config, engine: str) -> Config:
+    """The run's config as ``engine`` plays it. A run that acted through torch (``backend =
+    "hf"``) can be judged by a vLLM engine: the checkpoints are the same LoRA adapters over
+    the same base, and the engine plays them merged into the base weights (on vLLM's CPU
+    backend an adapter slows every prefill many times over; ``policy.vllm_lora``).
+    Plays are keyed by engine and policy, so one judge's figures never stand in for the
+    other's."""
+    if engine != "vllm" or cfg.policy.backend == "vllm":
+        return cfg
+    if cfg.policy.backend != "hf":
+        raise SystemExit(f"--engine vllm: the run's policy.backend is {cfg.policy.backend!r}: "
+                         "only a pretrained model (hf or vllm) plays through vLLM "
+                         "(use --engine torch)")
+    return make_config(cfg, policy={"backend": "vllm", "vllm_lora": "merged"})
+
+
 def env_overrides(pairs: list[str]) -> dict[str, str | int | float]:
     """``KEY=VALUE`` pairs (the value may hold ``=``, as TextWorldExpress params do; numbers
     become numbers, as the config's own values are)."""
@@ -227,10 +244,7 @@ def plot(selection: list[dict], test: dict, path: str, title: str) -> None:
 
 
 async def heldout(args: argparse.Namespace) -> dict:
-    cfg = make_config(os.path.join(args.run_dir, "config.json"))
-    if args.engine == "vllm" and cfg.policy.backend != "vllm":
-        raise SystemExit(f"--engine vllm: the run's policy.backend is {cfg.policy.backend!r}, "
-                         "not 'vllm' (use --engine torch)")
+    cfg = vllm_judged(make_config(os.path.join(args.run_dir, "config.json")), args.engine)
     versions = await published_versions(args.run_dir, cfg.run.run_id)
     if not versions:
         raise SystemExit(f"{args.run_dir}/events.db holds no policy-version: not a finished run")
@@ -314,7 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--test-episodes", type=int, default=96,
                    help="test games for the base, the chosen and the last version")
     p.add_argument("--engine", default="vllm", choices=["vllm", "torch"],
-                   help="what plays: a vLLM engine (the run must act through vLLM) or torch")
+                   help="what plays: a vLLM engine (needs the vLLM virtualenv; a torch run's "
+                        "versions are merged into its base weights) or torch")
     p.add_argument("--env-param", action="append", default=[], metavar="KEY=VALUE",
                    help="change the evaluation games (repeatable), e.g. "
                         "params=numLocations=9,includeDoors=0,numDistractorItems=0 to check "

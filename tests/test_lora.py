@@ -157,6 +157,26 @@ def test_export_model_merges_the_adapters_and_loads_in_transformers(base_dir, ti
                 1, torch.tensor(action)[:, None]).squeeze(1)
             assert torch.allclose(theirs, mine.logprobs[i, :len(action)], atol=1e-4), i
 
+    # what a vLLM engine is given of the export (``--model`` of a vLLM run, the judge's vLLM
+    # engine): the LM's tensors, untied, and not the critic beside them, which the engine's
+    # loader refuses ("no module or parameter named 'bias'")
+    import shutil
+
+    from safetensors import safe_open
+
+    from gyre_async.policy.vllm_policy import serving_copy
+
+    assert (out / "value_head.safetensors").exists()
+    served = serving_copy(out)
+    try:
+        with safe_open(str(served / "model.safetensors"), "pt") as f:
+            names = set(f.keys())
+        assert "lm_head.weight" in names
+        assert all(n.startswith(("model.", "lm_head.")) for n in names), sorted(names)[:5]
+        assert not (served / "value_head.safetensors").exists()
+    finally:
+        shutil.rmtree(served)
+
 
 def test_kl_to_base_estimator_against_a_slow_reference():
     from gyre_async.core.learner_ppo import kl_to_base

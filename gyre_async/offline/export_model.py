@@ -92,7 +92,7 @@ def export_model(run_dir: str, out: str, chosen: Chosen) -> dict:
 
     from gyre_async.compose import build_policy
     from gyre_async.policy.factory import load_weights
-    from gyre_async.policy.hf_policy import VALUE_HEAD, HFPolicy
+    from gyre_async.policy.hf_policy import EXPORTED_VALUE_HEAD, VALUE_HEAD, HFPolicy
 
     cfg = load_config(os.path.join(run_dir, "config.json"))
     if cfg.policy.backend == "tiny":
@@ -111,7 +111,7 @@ def export_model(run_dir: str, out: str, chosen: Chosen) -> dict:
     hf_tokenizer = getattr(policy.tokenizer, "hf", None)
     if hf_tokenizer is not None:
         hf_tokenizer.save_pretrained(out)
-    save_file(head, os.path.join(out, "value_head.safetensors"))
+    save_file(head, os.path.join(out, EXPORTED_VALUE_HEAD))
     record = {"run_id": cfg.run.run_id, "version": chosen.version, "chosen_by": chosen.chosen_by,
               "checkpoint": chosen.checkpoint, "checkpoint_sha256": chosen.checkpoint_hash,
               "base_model": policy.model_path, "lora_merged": policy.lora is not None}

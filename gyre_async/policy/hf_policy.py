@@ -99,6 +99,9 @@ CHATML_MARKERS = {
 PLAIN_MARKERS = {"obs": "\nObservation: ", "act": "\nAction: ", "sum": "Progress: ",
                  "task": "Task: ", "sep": "\n"}
 VALUE_HEAD = "value_head."
+#: The critic's file beside an exported model (``gyre export-model``): not part of the LM, so
+#: whatever loads the folder as a Hugging Face model (a vLLM engine) leaves it out.
+EXPORTED_VALUE_HEAD = "value_head.safetensors"
 
 
 def _need_transformers() -> Any:

@@ -65,7 +65,7 @@ from typing import Any
 import torch
 
 from gyre_async.policy.base import Action, CheckpointMismatch, EvalOutput, Policy, SamplingParams
-from gyre_async.policy.hf_policy import VALUE_HEAD
+from gyre_async.policy.hf_policy import EXPORTED_VALUE_HEAD, VALUE_HEAD
 from gyre_async.policy.lora import (
     base_fingerprint_of_dir,
     check_adapter_base,
@@ -101,13 +101,17 @@ def _untied(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def serving_copy(model_path: Path) -> Path:
-    """A temporary copy of ``model_path`` with an untied LM head (see module docstring)."""
+    """A temporary copy of ``model_path`` with an untied LM head (see module docstring);
+    an exported model's value head (``gyre export-model``) is left out: the engine refuses a
+    folder holding weights its model class lacks."""
     from safetensors.torch import load_file, save_file
 
     out = Path(tempfile.mkdtemp(prefix="gyre-vllm-model-"))
     try:
         tensors: dict[str, torch.Tensor] = {}
         for path in sorted(model_path.iterdir()):
+            if path.name == EXPORTED_VALUE_HEAD:
+                continue  # an exported model's critic (gyre export-model), not the LM's
             if path.suffix == ".safetensors":
                 tensors.update(load_file(str(path)))
             elif path.is_file() and not path.name.endswith(".index.json"):

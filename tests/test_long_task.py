@@ -64,6 +64,16 @@ def test_the_long_task_flag_sets_what_the_command_line_leaves_alone():
     assert cfg.learner.credit == "fusion"
 
 
+def test_the_judge_engine_follows_the_sampler_unless_given():
+    bench = load_script("ops/bench/llm.py")
+    p = bench.parser()
+    assert bench.judge_engine(p.parse_args(["--out", "x"])) == "torch"
+    assert bench.judge_engine(p.parse_args(["--sampler", "vllm"])) == "vllm"
+    assert bench.judge_engine(p.parse_args(["--judge-engine", "vllm"])) == "vllm"
+    assert bench.judge_engine(p.parse_args(["--sampler", "vllm", "--judge-engine", "torch"])
+                              ) == "torch"
+
+
 def test_the_sequence_bench_plays_the_same_long_task():
     """``llm_sequence.py --long-task``: the game, cap and hint of ``llm.py --long-task``, in
     both modes' configs, with windows that hold a hinted observation; given flags win."""

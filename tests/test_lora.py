@@ -143,6 +143,11 @@ def test_export_model_merges_the_adapters_and_loads_in_transformers(base_dir, ti
     assert json.loads((out / "gyre_export.json").read_text())["checkpoint_sha256"] == ref.sha256
 
     lm = transformers.AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
+    # RL from the export (``policy.model`` = the folder) goes on with the run's critic
+    again = HFPolicy.from_pretrained(str(out), seed=cfg.run.seed + 1, value_prior=5.0)
+    for name in ("weight", "bias"):
+        assert torch.equal(getattr(again.model.value_head, name),
+                           getattr(policy.model.value_head, name)), name
     base = HFPolicy.from_pretrained(base_dir, seed=cfg.run.seed)
     contexts, actions = batch(policy)
     with torch.no_grad():

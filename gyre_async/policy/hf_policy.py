@@ -224,7 +224,9 @@ class HFPolicy(CausalLMPolicy):
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike[str], *, tokenizer: BaseTokenizer | None = None,
                         dtype: torch.dtype = torch.float32, **kwargs: Any) -> HFPolicy:
-        """Load ``path`` (a local model directory) with ``transformers``; never downloads."""
+        """Load ``path`` (a local model directory) with ``transformers``; never downloads. A
+        directory that ``gyre export-model`` wrote holds the run's critic beside the model
+        (:data:`EXPORTED_VALUE_HEAD`): it becomes the value head (``value_prior`` unused)."""
         transformers = _need_transformers()
         path = os.fspath(path)
         if not os.path.isdir(path):
@@ -234,7 +236,17 @@ class HFPolicy(CausalLMPolicy):
         lm = transformers.AutoModelForCausalLM.from_pretrained(path, local_files_only=True,
                                                                dtype=dtype)
         lm.eval()  # no dropout: acting and evaluate must see the same function
-        return cls(lm, tokenizer or HFTokenizer.from_pretrained(path), model_path=path, **kwargs)
+        policy = cls(lm, tokenizer or HFTokenizer.from_pretrained(path), model_path=path,
+                     **kwargs)
+        critic = os.path.join(path, EXPORTED_VALUE_HEAD)
+        if os.path.isfile(critic):  # a model exported by ``gyre export-model``: RL goes on
+            from safetensors.torch import load_file  # with the critic it had
+
+            head = load_file(critic)
+            policy._model.value_head.load_state_dict(
+                {k: v.to(policy._model.value_head.weight.dtype) for k, v in head.items()},
+                strict=True)
+        return policy
 
     @property
     def model(self) -> nn.Module:

@@ -86,7 +86,8 @@ async def load_report_data(run_dir: str, bus: str | None = None) -> ReportData:
     d.bus_url = url
     # read back with the limit the run consumed with (its config's, else the default)
     limit = ((d.config or {}).get("bus") or {}).get("max_message_bytes")
-    async with open_bus(url, **({"max_message_bytes": int(limit)} if limit else {})) as log:
+    options: dict[str, object] = {"max_message_bytes": int(limit)} if limit else {}
+    async with open_bus(url, reader=True, **options) as log:
         d.topic_counts = {t.name: sum(t.end_offsets.values()) for t in await log.topics()}
         wanted = [t for t in READ_TOPICS if d.topic_counts.get(t)]
         if wanted:

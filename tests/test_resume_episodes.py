@@ -117,8 +117,9 @@ def test_a_restarted_sampler_continues_the_episodes_its_predecessor_left_open(tm
             v0 = _version(cfg, tmp_path, 0, consumed=0)
             await bus.publish(POLICY_VERSION, [(v0.key.encode(), encode(v0))])
 
-            async def mid_episode(core):  # every slot ~10 steps into its first episode
-                return core.steps_emitted >= 3 * 10
+            async def mid_episode(core):  # every slot ~10 steps into its first episode, in
+                # the log: the stop has no grace, so what the outbox still held may be lost
+                return len(await _steps_of(bus)) >= 3 * 10
 
             first = await _incarnation(cfg, bus, until=mid_episode)
             before = await _steps_of(bus)

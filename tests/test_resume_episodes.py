@@ -193,8 +193,8 @@ def test_a_replay_that_differs_from_the_log_ends_the_episode_naming_the_step(tmp
             v0 = _version(cfg, tmp_path, 0, consumed=100_000)
             await bus.publish(POLICY_VERSION, [(v0.key.encode(), encode(v0))])
 
-            async def mid_episode(core):
-                return core.steps_emitted >= 2 * 10
+            async def mid_episode(core):  # in the log (see the test above)
+                return len(await _steps_of(bus)) >= 2 * 10
 
             DriftingWorkshop.generation = 0
             await _incarnation(cfg, bus, until=mid_episode)

@@ -242,10 +242,7 @@ class HFPolicy(CausalLMPolicy):
         if os.path.isfile(critic):  # a model exported by ``gyre export-model``: RL goes on
             from safetensors.torch import load_file  # with the critic it had
 
-            head = load_file(critic)
-            policy._model.value_head.load_state_dict(
-                {k: v.to(policy._model.value_head.weight.dtype) for k, v in head.items()},
-                strict=True)
+            policy._model.value_head.load_state_dict(load_file(critic), strict=True)
         return policy
 
     @property

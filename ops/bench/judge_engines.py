@@ -24,13 +24,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import time
 
 from _common import make_config, print_result
 from llm_heldout import env_overrides, split_config, vllm_judged
+from llm_heldout import play as played
 
 from gyre_async.compose import build_context_builder, build_tokenizer
-from gyre_async.core.evaluation import EvalProgress, evaluate, validation_policy
+from gyre_async.core.evaluation import validation_policy
 from gyre_async.core.rollout import PolicyHolder
 
 
@@ -42,16 +42,13 @@ async def play(run_dir: str, engine: str, split: str, episodes: int,
     holder = PolicyHolder(validation_policy(games, tokenizer), 0)
     builder = build_context_builder(games, tokenizer)
     try:
-        started = time.monotonic()
-        r = await evaluate(games, holder, builder, None, games.evaluator.greedy,
-                           EvalProgress(f"{engine}, version 0, {split} games"))
-        seconds = time.monotonic() - started
+        r = await played(games, holder, builder, f"{engine}, version 0, {split} games")
     finally:
         holder.close()
-    steps = round(r["mean_length"] * r["episodes"])
-    return {"env_steps": steps, "seconds": round(seconds, 1),
-            "steps_per_s": round(steps / seconds, 3), "success": r["success_rate"],
-            "score": round(r["mean_score"], 4), "episodes": r["episodes"]}
+    steps = round(r["length"] * r["episodes"])
+    return {"env_steps": steps, "seconds": r["seconds"],
+            "steps_per_s": round(steps / r["seconds"], 3), "success": r["success"],
+            "score": r["score"], "episodes": r["episodes"]}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -86,13 +86,31 @@ def _in_roots(roots: StorageRoots, address: str) -> str:
         return roots.checkpoint(address, "learner")
 
 
-def export_model(run_dir: str, out: str, chosen: Chosen) -> dict:
-    """Write the model directory for ``chosen``; returns what ``gyre_export.json`` says."""
+def save_model_dir(policy: Any, out: str) -> None:
+    """``policy`` (an :class:`HFPolicy`) as a Hugging Face model directory: the language model
+    with its adapters merged, its tokenizer, and the critic beside them
+    (``value_head.safetensors``). The policy is unusable for training afterwards (its
+    adapters are folded in)."""
     from safetensors.torch import save_file
 
+    from gyre_async.policy.hf_policy import EXPORTED_VALUE_HEAD, VALUE_HEAD
+
+    head = {k[len(VALUE_HEAD):]: v.detach().contiguous()
+            for k, v in policy.state_dict().items() if k.startswith(VALUE_HEAD)}
+    lm: Any = policy.merged_lm()
+    os.makedirs(out, exist_ok=True)
+    lm.save_pretrained(out, safe_serialization=True)
+    hf_tokenizer = getattr(policy.tokenizer, "hf", None)
+    if hf_tokenizer is not None:
+        hf_tokenizer.save_pretrained(out)
+    save_file(head, os.path.join(out, EXPORTED_VALUE_HEAD))
+
+
+def export_model(run_dir: str, out: str, chosen: Chosen) -> dict:
+    """Write the model directory for ``chosen``; returns what ``gyre_export.json`` says."""
     from gyre_async.compose import build_policy
     from gyre_async.policy.factory import load_weights
-    from gyre_async.policy.hf_policy import EXPORTED_VALUE_HEAD, VALUE_HEAD, HFPolicy
+    from gyre_async.policy.hf_policy import HFPolicy
 
     cfg = load_config(os.path.join(run_dir, "config.json"))
     if cfg.policy.backend == "tiny":
@@ -103,15 +121,7 @@ def export_model(run_dir: str, out: str, chosen: Chosen) -> dict:
         cfg, policy=msgspec.structs.replace(cfg.policy, backend="hf")))
     assert isinstance(policy, HFPolicy)
     load_weights(policy, chosen.checkpoint, chosen.checkpoint_hash)
-    head = {k[len(VALUE_HEAD):]: v.detach().contiguous()
-            for k, v in policy.state_dict().items() if k.startswith(VALUE_HEAD)}
-    lm: Any = policy.merged_lm()
-    os.makedirs(out, exist_ok=True)
-    lm.save_pretrained(out, safe_serialization=True)
-    hf_tokenizer = getattr(policy.tokenizer, "hf", None)
-    if hf_tokenizer is not None:
-        hf_tokenizer.save_pretrained(out)
-    save_file(head, os.path.join(out, EXPORTED_VALUE_HEAD))
+    save_model_dir(policy, out)
     record = {"run_id": cfg.run.run_id, "version": chosen.version, "chosen_by": chosen.chosen_by,
               "checkpoint": chosen.checkpoint, "checkpoint_sha256": chosen.checkpoint_hash,
               "base_model": policy.model_path, "lora_merged": policy.lora is not None}

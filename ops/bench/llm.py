@@ -504,11 +504,25 @@ def warm_start_only(cfg: Config, args: argparse.Namespace) -> dict:
     cloned_s = time.monotonic() - started
     print(f"(b) warm-start on {args.warmstart_demos} walkthroughs in {cloned_s:.0f} s: "
           f"{bc_figures(stats)}", flush=True)
-    dev = asyncio.run(validation(cfg, policy))
+    plays = {}
+    for temperature in args.dev_temperatures or [args.temperature]:
+        at = make_config(cfg, evaluator={"temperature": temperature})
+        dev = asyncio.run(validation(at, policy))
+        print(f"(b) the cloned model on {dev['episodes']} dev games at temperature "
+              f"{temperature}: {dev}", flush=True)
+        plays[temperature] = dev
+    dev = plays[(args.dev_temperatures or [args.temperature])[0]]
+    if args.save_warm:
+        from gyre_async.offline.export_model import save_model_dir
+        save_model_dir(policy, args.save_warm)
+        print(f"(b) the cloned model, merged, in {args.save_warm} (--model "
+              f"{args.save_warm} --warmstart-demos 0 starts RL from it)", flush=True)
     return {"bench": "llm", "warmstart_only": True, "warmstart_success": dev["success"],
             "warmstart_score": dev["score"], "eval_episodes": dev["episodes"],
             "dev_ci": list(wilson(round(dev["success"] * dev["episodes"]), dev["episodes"])),
             "mean_length": dev["length"], "warmstart": bc_figures(stats),
+            "by_temperature": {str(t): {**d, "ci": list(wilson(
+                round(d["success"] * d["episodes"]), d["episodes"]))} for t, d in plays.items()},
             "warmstart_seconds": round(cloned_s, 1),
             "validation_seconds": round(time.monotonic() - started - cloned_s, 1),
             "peak_rss_mb": peak_rss_mb(), "settings": vars(args)}
@@ -679,6 +693,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--warmstart-only", action="store_true",
                    help="(b) alone, then the cloned model on the --eval-episodes dev games, "
                         "no RL: choose --warmstart-demos (and epochs) on train/dev games")
+    p.add_argument("--dev-temperatures", type=float, nargs="+", default=None,
+                   help="with --warmstart-only: play the dev games with the cloned model at "
+                        "each of these sampling temperatures (default: --temperature); the "
+                        "first is the headline figure")
+    p.add_argument("--save-warm", default="",
+                   help="with --warmstart-only: then write the cloned model, adapters merged, "
+                        "as a model directory (what `gyre export-model RUN --version 0` "
+                        "writes of a run's warm start)")
     p.add_argument("--warmstart-epochs", type=int, default=1)
     p.add_argument("--warmstart-learning-rate", type=float, default=5e-4)
     p.add_argument("--context-tokens", type=int, default=320)

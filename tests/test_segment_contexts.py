@@ -426,6 +426,7 @@ def check_segment_path(policy, budget: int, atol: float) -> None:
     assert reused > computed  # the later steps computed their continuation only
     sequences = [pairs[-1][0] + pairs[-1][1].tokens for pairs in cached]
     decisions = [[(len(c), len(a.tokens)) for c, a in pairs] for pairs in cached]
+    assert len({len(s) for s in sequences}) > 1  # rows of several lengths: padding is read
     pairs = [p for episode in cached for p in episode]
     with torch.no_grad():
         one = policy.evaluate_sequences(sequences, decisions)

@@ -256,6 +256,12 @@ class CausalLMPolicy(Policy):
                  ) -> tuple[torch.Tensor, Any]:
         """(hidden [B,t,D], new cache) for ``ids`` following ``cache``; ``mask`` covers all."""
 
+    def _forward_right_padded(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Hidden states [B, t, D] of whole sequences, each row padded on the right only
+        (``mask``: each row's ones, then zeros). A model may read such rows with its causal
+        mask alone: a real token never sees a later position, so it never sees padding."""
+        return self._forward(ids, mask)[0]
+
     @abc.abstractmethod
     def _logits(self, h: torch.Tensor) -> torch.Tensor: ...
 
@@ -560,7 +566,7 @@ class CausalLMPolicy(Policy):
         act_mask = torch.arange(n_act)[None, :] < torch.tensor(act_len)[:, None]
         targets = ids[rows[:, None], (columns + 1).clamp(max=width - 1)]
         with self._lock:
-            hidden, _ = self._forward(ids.to(self.device), mask.to(self.device))
+            hidden = self._forward_right_padded(ids.to(self.device), mask.to(self.device))
             rows_d, first_d = rows.to(self.device), first.to(self.device)
             values = self._value(hidden[rows_d, first_d]).float().cpu()
             picked = hidden[rows_d[:, None], columns.to(self.device)]

@@ -132,3 +132,12 @@ def test_pacing_and_the_env_step_budget_reach_the_config():
                                "120", "--out", "/nonexistent/x"], capture_output=True,
                               text=True, timeout=60)
     assert too_long.returncode == 2 and "--env-steps" in too_long.stderr
+
+
+def test_sync_mode_with_groups_reaches_the_config_with_gyres_own_credit():
+    bench = load_script("ops/bench/llm.py")
+    p = bench.parser()
+    cfg = bench.bench_config(p.parse_args(["--long-task", "--mode", "sync", "--group-size", "8"]))
+    assert cfg.run.mode == "sync" and cfg.sampler.group_size == 8 == cfg.sampler.num_envs
+    assert cfg.learner.credit == "fusion" and cfg.arbiter.milestone_reward > 0
+    assert bench.bench_config(p.parse_args(["--long-task"])).run.mode == "async"

@@ -80,3 +80,25 @@ def test_sync_mode_trains_on_current_version_only(tmp_path):
     for v in versions:
         if v.reason == "update":
             assert v.metrics["charts/max_staleness_seen"] == 0.0
+
+
+@pytest.mark.slow  # an end-to-end run: the full tier (the fast tier stays under 3 minutes)
+def test_sync_groups_give_every_trained_segment_its_groups_outcome(tmp_path):
+    """Sync mode with ``group_size == num_envs``: each round's episodes are one GRPO group,
+    and the update trains all of them at once, so every segment (milestone cuts included)
+    gets the group-relative outcome. In async mode a segment trained before its game
+    ended gets the local credit alone (docs/training.md, "Credit")."""
+    cfg = tiny_config(tmp_path / "run", mode="sync")
+    cfg = msgspec.structs.replace(
+        cfg, learner=msgspec.structs.replace(cfg.learner, max_versions=3),
+        sampler=msgspec.structs.replace(cfg.sampler, group_size=cfg.sampler.num_envs))
+    write_run_outputs(cfg, asyncio.run(run_loop(cfg)))
+
+    async def read():
+        async with open_bus(f"sqlite:///{tmp_path}/run/events.db") as bus:
+            return [decode(POLICY_VERSION, r.value) for r in await read_topics(bus, [POLICY_VERSION])]
+
+    updates = [v for v in asyncio.run(read()) if v.reason == "update"]
+    assert len(updates) >= 3
+    for v in updates:
+        assert v.metrics["credit/segments_with_outcome"] == len(v.trained_segments) > 0

@@ -163,7 +163,7 @@ def bench_config(args: argparse.Namespace) -> Config:
         valid = {"split": "valid", "games": args.eval_episodes}
     cfg = make_config(
         run={"run_id": "bench-llm", "run_dir": os.path.join(args.out, "run"), "seed": args.seed,
-             "mode": "async"},
+             "mode": args.mode},
         task={"env": args.env, "env_config": train},
         policy={"backend": args.sampler, "model": args.model,
                 "context_tokens": args.context_tokens, "history_turns": args.history_turns,
@@ -635,6 +635,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--group-size", type=int, default=1,
                    help="episodes per task (GRPO group: the outcome advantage compares a "
                         "trajectory with its group)")
+    p.add_argument("--mode", default="async", choices=["async", "sync"],
+                   help="run.mode: async, or sync (each version plays one episode per slot, "
+                        "then the learner trains on all of them). Sync with --group-size equal "
+                        "to --num-envs makes every update's batch whole GRPO groups, so every "
+                        "segment, not only those trained after their game ended, gets its "
+                        "group's outcome advantage (--credit outcome is always sync)")
     p.add_argument("--compare", action="store_true", help=argparse.SUPPRESS)  # child process
     p.add_argument("--report", action="store_true",
                    help="do not run: report the finished run in <out>/run again (the same "

@@ -27,6 +27,15 @@ def tiny_config(run_dir: Path, **run):
         cfg, run=msgspec.structs.replace(cfg.run, run_dir=str(run_dir), **run))
 
 
+def policy_versions(run_dir: Path) -> list:
+    """Every ``policy-version`` event of the run's embedded log, in order."""
+    async def read():
+        async with open_bus(f"sqlite:///{run_dir}/events.db") as bus:
+            return [decode(POLICY_VERSION, r.value) for r in await read_topics(bus, [POLICY_VERSION])]
+
+    return asyncio.run(read())
+
+
 def run_invariants(url: str, run_dir: Path, max_staleness: int, run_id: str = "tiny",
                    exactly_once: bool = True) -> dict:
     """The shared checker (gyre_async.audit.invariants) over a run; asserts it is clean."""
@@ -71,11 +80,7 @@ def test_sync_mode_trains_on_current_version_only(tmp_path):
     write_run_outputs(cfg, asyncio.run(run_loop(cfg)))
     run_invariants(f"sqlite:///{tmp_path}/run/events.db", tmp_path / "run", max_staleness=0)
 
-    async def read():
-        async with open_bus(f"sqlite:///{tmp_path}/run/events.db") as bus:
-            return [decode(POLICY_VERSION, r.value) for r in await read_topics(bus, [POLICY_VERSION])]
-
-    versions = asyncio.run(read())
+    versions = policy_versions(tmp_path / "run")
     # sample-then-train: each update saw whole episodes of exactly one version
     for v in versions:
         if v.reason == "update":
@@ -94,11 +99,7 @@ def test_sync_groups_give_every_trained_segment_its_groups_outcome(tmp_path):
         sampler=msgspec.structs.replace(cfg.sampler, group_size=cfg.sampler.num_envs))
     write_run_outputs(cfg, asyncio.run(run_loop(cfg)))
 
-    async def read():
-        async with open_bus(f"sqlite:///{tmp_path}/run/events.db") as bus:
-            return [decode(POLICY_VERSION, r.value) for r in await read_topics(bus, [POLICY_VERSION])]
-
-    updates = [v for v in asyncio.run(read()) if v.reason == "update"]
+    updates = [v for v in policy_versions(tmp_path / "run") if v.reason == "update"]
     assert len(updates) >= 3
     for v in updates:
         assert v.metrics["credit/segments_with_outcome"] == len(v.trained_segments) > 0

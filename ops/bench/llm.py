@@ -504,14 +504,15 @@ def warm_start_only(cfg: Config, args: argparse.Namespace) -> dict:
     cloned_s = time.monotonic() - started
     print(f"(b) warm-start on {args.warmstart_demos} walkthroughs in {cloned_s:.0f} s: "
           f"{bc_figures(stats)}", flush=True)
+    temperatures = args.dev_temperatures or [args.temperature]
     plays = {}
-    for temperature in args.dev_temperatures or [args.temperature]:
+    for temperature in temperatures:
         at = make_config(cfg, evaluator={"temperature": temperature})
         dev = asyncio.run(validation(at, policy))
         print(f"(b) the cloned model on {dev['episodes']} dev games at temperature "
               f"{temperature}: {dev}", flush=True)
         plays[temperature] = dev
-    dev = plays[(args.dev_temperatures or [args.temperature])[0]]
+    dev = plays[temperatures[0]]
     if args.save_warm:
         from gyre_async.offline.export_model import save_model_dir
         save_model_dir(policy, args.save_warm)

@@ -188,6 +188,31 @@ def test_a_slot_waits_while_its_step_would_age_an_older_open_segment_past_the_bo
     asyncio.run(go())
 
 
+@pytest.mark.parametrize("steps_after, opens", [(2, True), (None, False), (63, False)])
+def test_a_segment_near_its_episodes_cap_holds_back_only_the_steps_the_cap_leaves(
+        steps_after, opens):
+    """max_staleness 1, batches of 8, segments of up to 16 steps: a new segment may open
+    beside ``a`` only if its room (40 + 16 - 41 - 1 = 14) covers what ``a`` may still take.
+    Opened two steps before its episode's cap, ``a`` can take 2 more, so ``b`` opens; at the
+    start of a long episode (or with no cap known) ``a`` may take 15 more, so ``b`` waits."""
+    core = _core(1, 8, 2, 16)
+    core.learner_version, core.learner_consumed = 5, 40  # base = 40
+    core.steps_emitted = 40  # all consumed
+
+    async def go() -> None:
+        await core._admit("a", opens_segment=True, steps_after=steps_after)
+        assert core.steps_emitted == 41
+        opener = asyncio.create_task(core._admit("b", opens_segment=True))
+        await asyncio.sleep(0.01)
+        assert opener.done() == opens
+        if not opens:
+            await core._segment_closed("a")
+            await asyncio.wait_for(opener, 1.0)
+
+    asyncio.run(go())
+    assert core._segments["a" if opens else "b"].remaining == (2 if opens else 15)
+
+
 def _closed(segment: str, start: int, end: int, env_steps: int = 0) -> SegmentClosed:
     return SegmentClosed(event_id=event_id("closed", segment), run_id="r", producer="segmenter",
                          segment_id=segment, trajectory_id="t", task_id="task",
@@ -284,7 +309,7 @@ def test_a_rebuilt_episode_inside_a_segment_is_paced_like_one_the_sampler_opened
     core.learner_version, core.learner_consumed = 5, 40
     steps = [LoggedStep("a", "h0", (), 3), LoggedStep("b", "h1", (), 4),
              LoggedStep("c", "h2", (), 4)]
-    core._track_rebuilt_segment("r", steps, 2)
+    core._track_rebuilt_segment("r", steps, 2, max_steps=64)
     # 49 out, 47 outside r: 40 + 8 - 47 - 1 = 0 steps of room left for others
     core.steps_emitted = 49
 
@@ -298,5 +323,6 @@ def test_a_rebuilt_episode_inside_a_segment_is_paced_like_one_the_sampler_opened
 
     asyncio.run(go())
     unversioned = _core(1, 8, 2, 4)
-    unversioned._track_rebuilt_segment("r", [LoggedStep("a", "h0"), LoggedStep("b", "h1")], 2)
+    unversioned._track_rebuilt_segment("r", [LoggedStep("a", "h0"), LoggedStep("b", "h1")], 2,
+                                      max_steps=64)
     assert not unversioned._segments

@@ -209,11 +209,13 @@ class SamplerCore:
                                   None if opens_segment else own,
                                   list(self._segments.values()))
 
-    async def _admit(self, tid: str, opens_segment: bool = True) -> None:
+    async def _admit(self, tid: str, opens_segment: bool = True,
+                     steps_after: int | None = None) -> None:
         """Wait until the staleness gate admits one more step of trajectory ``tid``
         (``opens_segment``: the first of a segment), or raise :class:`_Stopped` when the
         sampler stops first: a stop never waits on the learner, nor on a cancellation to
-        reach the slot."""
+        reach the slot. ``steps_after``: steps the episode may still take after this one
+        (its cap), which bounds its segment's remaining steps (None: unbounded)."""
         loop = asyncio.get_running_loop()
         started = loop.time()
         try:
@@ -231,28 +233,34 @@ class SamplerCore:
             self.paused_s += loop.time() - started
         self.steps_emitted += 1
         if opens_segment:
-            self._track(tid, self.holder.version, 1)
+            self._track(tid, self.holder.version, 1, steps_after=steps_after)
         elif (own := self._segments.get(tid)) is not None:
-            self._track(tid, own.first_version, own.length + 1, own.order)
+            self._track(tid, own.first_version, own.length + 1, own.order, steps_after)
 
-    def _track(self, tid: str, first_version: int, length: int, order: int | None = None
-               ) -> None:
+    def _track(self, tid: str, first_version: int, length: int, order: int | None = None,
+               steps_after: int | None = None) -> None:
         """Pace ``tid``'s open segment: made from ``first_version`` on, ``length`` steps so
-        far, so it may take ``max_segment_steps - length`` more; ``order``: kept from its
-        opening (None: it opens now, after every segment open so far)."""
+        far, so it may take ``max_segment_steps - length`` more, and no more than the
+        ``steps_after`` its episode's cap leaves (a segment late in an episode holds back
+        only what it can still take); ``order``: kept from its opening (None: it opens now,
+        after every segment open so far)."""
         if order is None:
             self._segments_opened += 1
             order = self._segments_opened
-        remaining = max(self.cfg.segmenter.max_segment_steps - length, 0)
-        self._segments[tid] = OpenSegment(first_version, length, remaining, order)
+        remaining = self.cfg.segmenter.max_segment_steps - length
+        if steps_after is not None:
+            remaining = min(remaining, steps_after)
+        self._segments[tid] = OpenSegment(first_version, length, max(remaining, 0), order)
 
-    def _track_rebuilt_segment(self, tid: str, steps: Sequence[LoggedStep], length: int) -> None:
+    def _track_rebuilt_segment(self, tid: str, steps: Sequence[LoggedStep], length: int,
+                               max_steps: int) -> None:
         """A rebuilt episode stands inside a segment its predecessor opened (``length``
         steps so far): pace it like one this sampler opened, aged by the version of its
         first logged step, so its room is kept and counted (a log without versions leaves
-        it unpaced, under the hard cap only)."""
+        it unpaced, under the hard cap only). ``max_steps``: the episode's cap."""
         if 0 < length <= len(steps) and steps[-length].policy_version >= 0:
-            self._track(tid, steps[-length].policy_version, length)
+            self._track(tid, steps[-length].policy_version, length,
+                        steps_after=max_steps - len(steps) + 1)
 
     async def _segment_closed(self, tid: str) -> None:
         """A segment of ``tid`` closed (or its episode ended): slots held back for it may go."""
@@ -340,7 +348,7 @@ class SamplerCore:
                                      on_step=on_step, before_step=before_step,
                                      segments=cfg.segmenter)
 
-        await self._play(shared, tid, task_id, play)
+        await self._play(shared, tid, task_id, play, env.max_steps)
 
     async def _resume(self, env: Env, shared: _Run, episode: OpenEpisode) -> None:
         """Rebuild an episode a predecessor left open and play it on (or end it visibly)."""
@@ -368,7 +376,8 @@ class SamplerCore:
         self.rebuilt_episodes += 1
         self.rebuild_seconds.append(loop.time() - started)
         rebuilt: EpisodeState = state
-        self._track_rebuilt_segment(episode.trajectory_id, episode.steps, rebuilt.segment.length)
+        self._track_rebuilt_segment(episode.trajectory_id, episode.steps, rebuilt.segment.length,
+                                    env.max_steps)
 
         async def play(on_step: Callable[[StepRecord], Awaitable[None]],
                        before_step: Callable[[], Awaitable[None]]) -> EpisodeSummary:
@@ -376,8 +385,9 @@ class SamplerCore:
                                       self.builder, step_timeout_s=cfg.sampler.step_timeout_s,
                                       on_step=on_step, before_step=before_step)
 
-        await self._play(shared, episode.trajectory_id, episode.task_id, play,
-                         opens_segment=rebuilt.segment.opens_segment)
+        await self._play(shared, episode.trajectory_id, episode.task_id, play, env.max_steps,
+                         opens_segment=rebuilt.segment.opens_segment,
+                         first_step=len(episode.steps))
 
     def _act(self, shared: _Run, tid: str) -> Callable[[list[int]], Awaitable[Acted]]:
         """How an episode asks for actions: with segment contexts, under its trajectory id,
@@ -386,18 +396,22 @@ class SamplerCore:
             return shared.batcher.act
         return functools.partial(shared.batcher.act, session=tid)
 
-    async def _play(self, shared: _Run, tid: str, task_id: str, play: Play,
-                    opens_segment: bool = True) -> None:
+    async def _play(self, shared: _Run, tid: str, task_id: str, play: Play, max_steps: int,
+                    opens_segment: bool = True, first_step: int = 0) -> None:
         """Play an episode (``play(on_step, before_step)``), publishing each step and, if
-        the environment failed, the ``env-error`` that ends the trajectory. ``opens_segment``:
-        the first step opens a segment (a rebuilt episode may stand inside one)."""
+        the environment failed, the ``env-error`` that ends the trajectory. ``max_steps``:
+        the environment's cap (an episode's step indices end at it, see ``play_episode``);
+        ``opens_segment``: the first step opens a segment (a rebuilt episode may stand
+        inside one, its steps so far ``first_step``)."""
         cfg = self.cfg
         opens = [opens_segment]  # does the next step open a segment (the segmenter's rule)
+        index = [first_step]  # the next step's index
 
         async def admit() -> None:
-            await self._admit(tid, opens[0])
+            await self._admit(tid, opens[0], steps_after=max_steps - index[0])
 
         async def on_step(record: StepRecord) -> None:
+            index[0] = record.step_index + 1
             opens[0] = record.boundary is not None
             shared.publish(step_event(cfg.run.run_id, shared.producer, tid, task_id, record))
             if opens[0]:

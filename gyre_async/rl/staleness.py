@@ -19,8 +19,8 @@ bound if fewer than ``reach(v, s) = (max_staleness + 1 - (v - s)) * B`` steps re
 learner ahead of it. Ahead of it are the steps emitted outside it and not yet consumed,
 and what the slots emit while it is open and close before it does. The sampler knows its
 open segments (:class:`OpenSegment`: first version, length, the steps it may still take,
-``max_segment_steps`` minus its length, and the order it opened in), so it keeps every one
-of them fresh, the older first::
+``max_segment_steps`` minus its length and no more than its episode's step cap leaves, and
+the order it opened in), so it keeps every one of them fresh, the older first::
 
     reach(v, s)              =   (max_staleness + 1 - (v - s)) * B
     room(n, v, c, seg)       =   base(v, c) + reach(v, s_seg) - (n - len_seg) - 1
@@ -90,7 +90,8 @@ _NEWEST = 1 << 62  # the order of a segment about to open: after every open one
 class OpenSegment:
     """One of this sampler's open segments, as pacing sees it: the version of its first
     step, its steps so far, how many more it may take at most (``max_segment_steps`` minus
-    its length), and the order it opened in (older segments go first)."""
+    its length, and no more than its episode's cap leaves), and the order it opened in
+    (older segments go first)."""
 
     first_version: int
     length: int

@@ -118,7 +118,9 @@ def parser() -> argparse.ArgumentParser:
                    "KL on this many contexts, one pass each per version on the loop's cores "
                    "(64, the default of tiny-policy runs, is ~38 s of SmolLM2 per version "
                    "here: ops/bench/keeper_probe.py)")
-    p.add_argument("--check-episodes", type=int, default=2)
+    p.add_argument("--check-episodes", type=int, default=2,
+                   help="episodes played after the loop to compare acting's log-probs with the "
+                   "learner's (0: none; the check's figures are then null)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)  # one mode's process
     return p
@@ -284,7 +286,9 @@ def measure(args: argparse.Namespace, mode: str) -> dict:
     loop_s = time.monotonic() - started
     stats = asyncio.run(sampler_stats(cfg))
     tokens, stored_steps = learner_tokens(cfg)
-    check = logprob_check(cfg, args.check_episodes)
+    check = logprob_check(cfg, args.check_episodes) if args.check_episodes > 0 else {
+        "steps": 0.0, "acting_vs_learner": None, "prefill_tokens_per_step": None,
+        "learner_tokens_per_step": None}  # --check-episodes 0: no check, no figures
     sampled = max(stats.get("steps", 0.0), 1.0)
     return {
         "prefill_tokens_per_step": round(stats.get("prefill_computed", 0.0) / sampled, 1),

@@ -113,9 +113,11 @@ def _run_with_restart(broker, port, data, cfg, url, run_id, run_dir, log_path):
         for p in procs:  # quiet writers, so noida's SIGTERM loses nothing it acknowledged
             p.send_signal(signal.SIGSTOP)
         time.sleep(2)
-        broker.stop()  # SIGTERM: noida flushes its log and offsets to the data directory
-        for p in procs:
-            p.send_signal(signal.SIGCONT)
+        try:
+            broker.stop()  # SIGTERM: noida flushes its log and offsets to the data directory
+        finally:  # thawed even if the stop fails: a frozen role would not heed SIGTERM
+            for p in procs:
+                p.send_signal(signal.SIGCONT)
         time.sleep(3)  # the actors, running again, see connection errors meanwhile
         restarted = start_broker("noida", port=port, data_dir=str(data))
         broker.pid, broker._popen = restarted.pid, restarted._popen

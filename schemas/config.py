@@ -124,6 +124,13 @@ class PolicySection(Strict):
     the learner reads per step."""
     max_action_tokens: Count = 4
     """Longest action the policy may generate (tokens, eos included)."""
+    draft_tokens: CountOrZero = 0
+    """Prompt-lookup speculative decoding (``tiny``/``hf`` backends): each forward pass
+    while acting also reads up to this many tokens that followed the latest earlier
+    occurrence of the sequence's last tokens, and keeps those sampling would have drawn
+    anyway (exact: the same distribution and log-probs as one token per pass). Actions
+    that repeat their context (a command from the valid list, an earlier action) then take
+    a few passes instead of one per token. 0: off."""
     constrain_actions: bool = True
     """Restrict generated tokens to words that occur in actions (and eos)."""
     backend: Literal["tiny", "hf", "vllm"] = "tiny"

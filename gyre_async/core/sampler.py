@@ -450,6 +450,10 @@ class SamplerCore:
                 # context tokens the policy computed, and those it reused from its cache
                 "prefill_computed": float(self.holder.policy.prefill_computed),
                 "prefill_reused": float(self.holder.policy.prefill_reused),
+                # acting's forward passes, and the drafted tokens they read and kept
+                "act_forwards": float(self.holder.policy.act_forwards),
+                "drafted_tokens": float(self.holder.policy.drafted_tokens),
+                "accepted_tokens": float(self.holder.policy.accepted_tokens),
                 **exploration_stats(self.holder)}
 
 

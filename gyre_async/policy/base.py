@@ -90,6 +90,11 @@ class Policy(abc.ABC):
     #: context tokens acting computed (prefill), and those it took from a cache instead
     prefill_computed: int = 0
     prefill_reused: int = 0
+    #: forward passes acting ran, and the drafted tokens they read and kept (speculative
+    #: decoding; both 0 without drafts)
+    act_forwards: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
 
     @abc.abstractmethod
     def act_batch(self, contexts: list[list[int]], params: SamplingParams,

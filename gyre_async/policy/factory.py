@@ -64,9 +64,10 @@ def make_policy(cfg: Config, tokenizer: BaseTokenizer,
     if cfg.policy.backend != "tiny":
         from gyre_async.policy.hf_policy import HFPolicy
 
-        return HFPolicy.from_pretrained(model_path(cfg), tokenizer=tokenizer, seed=cfg.run.seed,
-                                        lora=cfg.policy.lora, dtype=dtype
-                                        ).to(cfg.policy.device)
+        hf = HFPolicy.from_pretrained(model_path(cfg), tokenizer=tokenizer, seed=cfg.run.seed,
+                                      lora=cfg.policy.lora, dtype=dtype).to(cfg.policy.device)
+        hf.draft_tokens = cfg.policy.draft_tokens
+        return hf
     shape = cfg.policy
     config = ModelConfig(
         vocab_size=tokenizer.vocab_size, d_model=shape.d_model, n_layers=shape.n_layers,
@@ -74,6 +75,7 @@ def make_policy(cfg: Config, tokenizer: BaseTokenizer,
         action_token_ids=allowed_action_ids(cfg, tokenizer, action_words),
     )
     policy = TorchPolicy(config, tokenizer, seed=cfg.run.seed)
+    policy.draft_tokens = cfg.policy.draft_tokens
     if cfg.policy.device != "cpu" or cfg.policy.dtype != "float32":
         policy.to(cfg.policy.device, dtype)
     return policy
@@ -89,6 +91,10 @@ def make_acting_policy(cfg: Config, tokenizer: BaseTokenizer,
         raise ValueError("sampler.exploration.param_noise_target_kl perturbs the sampler's torch "
                          "weights, which a vLLM engine does not expose: set it to 0 or use "
                          "policy.backend = 'hf'")
+    if cfg.policy.draft_tokens:
+        raise ValueError("policy.draft_tokens drafts in Gyre's own acting loop (the tiny and hf "
+                         "backends); a vLLM engine decodes by itself: set it to 0 with "
+                         "policy.backend = 'vllm'")
     from gyre_async.policy.vllm_policy import VLLMPolicy
 
     shape = cfg.policy

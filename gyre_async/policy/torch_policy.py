@@ -52,6 +52,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gyre_async.policy.base import Action, CheckpointMismatch, EvalOutput, Policy, SamplingParams
+from gyre_async.policy.draft import prompt_lookup
 from gyre_async.policy.tokenizer import BaseTokenizer
 
 
@@ -213,6 +214,9 @@ class CausalLMPolicy(Policy):
     #: what one more forward pass costs beyond its tokens, in token columns (the weights are
     #: read once more): the price :meth:`_prefill_apart` weighs against the padding it saves
     pass_overhead_tokens = 32
+    #: prompt-lookup draft length while acting (``policy.draft_tokens``; 0: one token per
+    #: forward pass): see :meth:`_act_drafted`
+    draft_tokens = 0
 
     def __init__(self, tokenizer: BaseTokenizer, vocab_size: int, max_len: int,
                  action_token_ids: Sequence[int] = (), seed: int = 0):
@@ -308,6 +312,12 @@ class CausalLMPolicy(Policy):
             self._drop_forgotten()
             if sessions is not None:
                 self._prefill_apart(contexts, sessions)
+            if self.draft_tokens:
+                tokens, behaviour, raw = self._act_drafted(contexts, params, gen, sessions)
+                return [Action(tokens=t, logprobs=b, policy_logprobs=r,
+                               policy_version=self.version,
+                               text=self.tokenizer.decode(t).strip())
+                        for t, b, r in zip(tokens, behaviour, raw)]
             ids, mask, sources = self._prompt(contexts, sessions, n_new)
             width = ids.shape[1] - n_new
             start = max(r for _, r in sources)  # the first column computed
@@ -317,10 +327,12 @@ class CausalLMPolicy(Policy):
             live = torch.ones(len(contexts), dtype=torch.bool, device=self.device)
             hidden, cache = self._forward(ids[:, start:width], mask[:, :width],
                                           self._past_cache(sources, ids.shape[1] - start))
+            self.act_forwards += 1
             for j in range(n_new):
                 if j:  # one new column, attending to the cached ones
                     hidden, cache = self._forward(ids[:, width + j - 1:width + j],
                                                   mask[:, :width + j], cache)
+                    self.act_forwards += 1
                 logits = self._logits(hidden[:, -1]).float()
                 logits = logits.masked_fill(~self.allowed, float("-inf"))
                 raw_logp = torch.log_softmax(logits, -1)
@@ -349,6 +361,135 @@ class CausalLMPolicy(Policy):
         return [Action(tokens=t, logprobs=b, policy_logprobs=r, policy_version=self.version,
                        text=self.tokenizer.decode(t).strip())
                 for t, b, r in zip(tokens, behaviour, raw)]
+
+    def _act_drafted(self, contexts: list[list[int]], params: SamplingParams,
+                     gen: torch.Generator, sessions: list[str | None] | None
+                     ) -> tuple[list[list[int]], list[list[float]], list[list[float]]]:
+        """Acting with prompt-lookup drafts (:mod:`.draft`): exact speculative sampling.
+
+        Each forward pass reads, per row, the token sampled last and a draft of up to
+        ``draft_tokens`` tokens found earlier in the row's own context and action so far,
+        so it yields the next-token distribution before every drafted token and after the
+        last. Drafted token ``d`` is kept with probability ``p(d)`` under the behaviour
+        distribution (greedy: when it is the argmax); at the first one refused, the token
+        is drawn from ``p`` with ``d`` removed (renormalised); with every one kept, one
+        more is drawn from the distribution after the last. A point-mass draft makes this
+        exact: ``d`` comes out with probability ``p(d)``, any other ``x`` with ``(1 - p(d))
+        * p(x) / (1 - p(d)) = p(x)``; so actions are distributed as one token per pass
+        would draw them, and their log-probs are read at the same positions. A refused
+        draft's columns stay in the batch's cache but leave the mask (positions count
+        real tokens only, no later token attends to them), so every kept token sees
+        exactly the tokens and positions it would have seen without drafts; sessions keep
+        real columns only."""
+        n_new = params.max_action_tokens
+        rows = len(contexts)
+        pad = self.tokenizer.pad_id
+        stops = set(self.stops.tolist())
+        ids, mask, sources = self._prompt(contexts, sessions, 0)
+        fed = max(r for _, r in sources)  # the first column not yet in the cache
+        cache = self._past_cache(sources, ids.shape[1] - fed + n_new + 4 * self.draft_tokens)
+        read = [list(c) for c in contexts]  # what each row has read and will: context, action
+        tokens: list[list[int]] = [[] for _ in contexts]
+        behaviour: list[list[float]] = [[] for _ in contexts]
+        raw: list[list[float]] = [[] for _ in contexts]
+        live = [True] * rows
+        pending: list[int] | None = None  # each row's last sampled token, not yet read
+        while any(live):
+            drafts = [prompt_lookup(read[i], min(self.draft_tokens, n_new - len(tokens[i])))
+                      if live[i] else [] for i in range(rows)]
+            lead, k = int(pending is not None), max(len(d) for d in drafts)
+            new_ids = torch.full((rows, lead + k), pad, dtype=torch.long)
+            new_mask = torch.zeros((rows, lead + k), dtype=torch.bool)
+            for i, draft in enumerate(drafts):
+                if live[i] and pending is not None:
+                    new_ids[i, 0], new_mask[i, 0] = pending[i], True
+                if draft:
+                    new_ids[i, lead:lead + len(draft)] = torch.as_tensor(draft)
+                    new_mask[i, lead:lead + len(draft)] = True
+            ids = torch.cat([ids, new_ids.to(self.device)], 1)
+            mask = torch.cat([mask, new_mask.to(self.device)], 1)
+            hidden, cache = self._forward(ids[:, fed:], mask, cache)
+            fed = ids.shape[1]
+            self.act_forwards += 1
+            self.drafted_tokens += sum(len(d) for d in drafts)
+            # the distributions read: after each live row's last read token and each draft
+            at = [(i, j) for i in range(rows) if live[i] for j in range(len(drafts[i]) + 1)]
+            first: dict[int, int] = {}  # live row -> where its distributions start in ``at``
+            for n, (i, _) in enumerate(at):
+                first.setdefault(i, n)
+            picked = hidden[torch.tensor([i for i, _ in at]),
+                            torch.tensor([hidden.shape[1] - k - 1 + j for _, j in at])]
+            logits = self._logits(picked).float().masked_fill(~self.allowed, float("-inf"))
+            raw_logp = torch.log_softmax(logits, -1)
+            b_logp = raw_logp if params.greedy else _behaviour_logp(logits, params)
+            best = raw_logp.argmax(-1).tolist()
+            coins = torch.rand(len(at), generator=gen).tolist()
+            draws: list[tuple[int, int, int | None]] = []  # (row, where, refused token)
+            for i in first:
+                draft, n0, kept, ended = drafts[i], first[i], 0, False
+                for j, token in enumerate(draft):
+                    if params.greedy:
+                        keep = best[n0 + j] == token
+                    else:
+                        p = float(b_logp[n0 + j, token].exp())
+                        keep = coins[n0 + j] < p
+                    if not keep:
+                        break
+                    self._take(i, token, b_logp[n0 + j], raw_logp[n0 + j], params.greedy,
+                               tokens, behaviour, raw)
+                    read[i].append(token)
+                    kept += 1
+                    if token in stops or len(tokens[i]) == n_new:
+                        ended = True
+                        break
+                self.accepted_tokens += kept
+                gone = slice(ids.shape[1] - k + kept, ids.shape[1] - k + len(draft))
+                mask[i, gone] = False  # refused (or past the action's end): not read again
+                if ended:
+                    live[i] = False
+                else:
+                    draws.append((i, n0 + kept, draft[kept] if kept < len(draft) else None))
+            pending = [pad] * rows
+            chosen = self._draw(draws, b_logp, best, params.greedy, gen)
+            for (i, n, _), token in zip(draws, chosen):
+                self._take(i, token, b_logp[n], raw_logp[n], params.greedy,
+                           tokens, behaviour, raw)
+                read[i].append(token)
+                pending[i] = token
+                if token in stops or len(tokens[i]) == n_new:
+                    live[i] = False
+        if sessions is not None:
+            self._keep(sessions, ids, mask, cache)
+        return tokens, behaviour, raw
+
+    @staticmethod
+    def _take(row: int, token: int, b_logp: torch.Tensor, raw_logp: torch.Tensor,
+              greedy: bool, tokens: list[list[int]], behaviour: list[list[float]],
+              raw: list[list[float]]) -> None:
+        tokens[row].append(token)
+        behaviour[row].append(0.0 if greedy else float(b_logp[token]))
+        raw[row].append(float(raw_logp[token]))
+
+    @staticmethod
+    def _draw(draws: list[tuple[int, int, int | None]], b_logp: torch.Tensor,
+              best: list[int], greedy: bool, gen: torch.Generator) -> list[int]:
+        """One token per ``(row, where, refused)``: from the behaviour distribution at
+        ``where`` without the refused draft token (greedy: the argmax, which a refused
+        token is not). A refusal whose rest has no mass left (``p(d)`` rounded below a
+        coin of ``1 - 2^-24``) keeps the token after all: it was the only one possible."""
+        if not draws:
+            return []
+        if greedy:
+            return [best[n] for _, n, _ in draws]
+        probs = b_logp[torch.tensor([n for _, n, _ in draws])].exp().cpu()
+        for row, (_, _, refused) in enumerate(draws):
+            if refused is not None:
+                probs[row, refused] = 0.0
+        empty = probs.sum(-1) <= 0
+        probs[empty] = 1.0  # drawn from but replaced below
+        chosen = torch.multinomial(probs, 1, generator=gen).squeeze(1).tolist()
+        return [int(refused) if empty[row] and refused is not None else token
+                for row, (token, (_, _, refused)) in enumerate(zip(chosen, draws))]
 
     # -- sessions: keys/values kept between an episode's steps ------------------------------
     def _prompt(self, contexts: list[list[int]], sessions: list[str | None] | None,

@@ -104,6 +104,9 @@ def parser() -> argparse.ArgumentParser:
                    help="segment mode's policy.segment_hint: the whole valid-command list at "
                    "every step, or at a segment's opening and then only what changed")
     p.add_argument("--max-action-tokens", type=int, default=12)
+    p.add_argument("--draft-tokens", type=int, default=0,
+                   help="policy.draft_tokens, both modes: prompt-lookup drafts read per "
+                   "forward pass while acting (0: one token per pass)")
     p.add_argument("--num-envs", type=int, default=8)
     p.add_argument("--batch-steps", type=int, default=32)
     p.add_argument("--minibatch-steps", type=int, default=8)
@@ -151,7 +154,7 @@ def mode_config(args: argparse.Namespace, mode: str) -> Config:
                 "segment_hint": args.segment_hint if segment else "full",
                 "context_tokens": args.segment_tokens if segment else args.window_tokens,
                 "history_turns": 0 if segment else args.history_turns,
-                "max_action_tokens": args.max_action_tokens,
+                "max_action_tokens": args.max_action_tokens, "draft_tokens": args.draft_tokens,
                 "lora": {"rank": args.lora_rank, "alpha": 2.0 * args.lora_rank}},
         sampler={"num_envs": args.num_envs, "temperature": args.temperature, "group_size": 1,
                  "step_timeout_s": 300.0},
@@ -293,6 +296,9 @@ def measure(args: argparse.Namespace, mode: str) -> dict:
     return {
         "prefill_tokens_per_step": round(stats.get("prefill_computed", 0.0) / sampled, 1),
         "prefill_reused_per_step": round(stats.get("prefill_reused", 0.0) / sampled, 1),
+        "act_forwards_per_step": round(stats.get("act_forwards", 0.0) / sampled, 2),
+        "draft_kept_fraction": round(stats.get("accepted_tokens", 0.0) / max(
+            stats.get("drafted_tokens", 0.0), 1.0), 3),
         "learner_tokens_per_step": round(tokens / max(stored_steps, 1), 1),
         "env_steps_per_s": summary["env_steps_per_s"],
         "logprob_max_abs_diff": check["acting_vs_learner"],
@@ -324,7 +330,8 @@ def in_child(args: argparse.Namespace, argv: list[str], mode: str) -> dict:
 def result_of(args: argparse.Namespace, per_mode: dict[str, dict]) -> dict:
     modes = list(per_mode)
     result: dict = {"bench": "llm_sequence", "smoke": args.smoke}
-    for name in (*FIELDS, "prefill_reused_per_step", "one_pass_vs_apart_max_abs_diff",
+    for name in (*FIELDS, "prefill_reused_per_step", "act_forwards_per_step",
+                 "draft_kept_fraction", "one_pass_vs_apart_max_abs_diff",
                  "sampler_paused_fraction", "env_steps", "policy_versions", "loop_s",
                  "check_steps",
                  "check_prefill_tokens_per_step", "check_learner_tokens_per_step"):

@@ -313,11 +313,10 @@ class CausalLMPolicy(Policy):
             if sessions is not None:
                 self._prefill_apart(contexts, sessions)
             if self.draft_tokens:
-                tokens, behaviour, raw = self._act_drafted(contexts, params, gen, sessions)
                 return [Action(tokens=t, logprobs=b, policy_logprobs=r,
                                policy_version=self.version,
                                text=self.tokenizer.decode(t).strip())
-                        for t, b, r in zip(tokens, behaviour, raw)]
+                        for t, b, r in zip(*self._act_drafted(contexts, params, gen, sessions))]
             ids, mask, sources = self._prompt(contexts, sessions, n_new)
             width = ids.shape[1] - n_new
             start = max(r for _, r in sources)  # the first column computed

@@ -13,7 +13,7 @@ from conftest import load_script
 def test_the_smoke_run_reports_every_figure_of_both_modes(tmp_path, capsys):
     bench = load_script("ops/bench/llm_sequence.py")
     assert bench.main(["--smoke", "--minutes", "1", "--check-episodes", "1",
-                       "--out", str(tmp_path)]) == 0
+                       "--draft-tokens", "3", "--out", str(tmp_path)]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     for field in bench.FIELDS:
         assert set(result[field]) == {"window", "segment"}, field
@@ -24,6 +24,9 @@ def test_the_smoke_run_reports_every_figure_of_both_modes(tmp_path, capsys):
     assert all(d <= 1e-4 for d in result["logprob_max_abs_diff"].values())
     assert result["one_pass_vs_apart_max_abs_diff"]["segment"] <= 1e-4
     assert all(v > 0 for v in result["env_steps_per_s"].values())
+    # acting read drafts (exact: the log-prob checks above hold with them)
+    assert all(0 < v <= 1 for v in result["draft_kept_fraction"].values())
+    assert all(v > 0 for v in result["act_forwards_per_step"].values())
     assert all(0 <= v <= 1 for v in result["sampler_paused_fraction"].values())
     assert {"prefill_tokens_per_step", "learner_tokens_per_step",
             "env_steps_per_s"} <= set(result["ratios"])

@@ -62,6 +62,11 @@ def test_the_long_task_flag_sets_what_the_command_line_leaves_alone():
     assert cfg.task.env_config["max_hint_actions"] == 72
     assert cfg.policy.context == "segment" and cfg.run.mode == "async"
     assert cfg.learner.credit == "fusion"
+    assert cfg.policy.draft_tokens == 8  # acting reads prompt-lookup drafts (exact)
+    for given, drafts in ((["--sampler", "vllm"], 0), (["--draft-tokens=3"], 3)):
+        args = p.parse_args(["--long-task", *given])
+        bench.apply_long_task(args, ["--long-task", *given])
+        assert args.draft_tokens == drafts  # a vLLM engine decodes by itself
 
 
 def test_the_judge_engine_follows_the_sampler_unless_given():
@@ -92,6 +97,7 @@ def test_the_sequence_bench_plays_the_same_long_task():
         assert (env["max_steps"], env["max_hint_actions"]) == (64, 72)
         assert cfg.segmenter.max_segment_steps == 16
         assert cfg.policy.segment_hint == ("changes" if mode == "segment" else "full")
+        assert cfg.policy.draft_tokens == 8  # both modes act with the same drafts
     plain = bench.parser().parse_args([])
     assert (plain.twx_game, plain.max_steps, plain.window_tokens) == ("coin", 20, 320)
 

@@ -23,7 +23,10 @@ version to compare acting's log-probs with the learner's. Per mode:
   check episodes: the learner's path of the mode (each context apart; one pass per segment)
   against acting's (whole contexts; cached prefixes);
 - ``peak_rss_mb``: the mode's process's peak resident memory;
-- ``stale_dropped_fraction``: env steps the learner dropped as stale over those sampled.
+- ``stale_dropped_fraction``: env steps the learner dropped as stale over those sampled;
+- ``act_forwards_per_step`` and ``draft_kept_fraction``: the sampler's forward passes per
+  env step, and the share of prompt-lookup drafted tokens it kept (``--draft-tokens``,
+  both modes; exact, so the log-prob check holds with drafts as without).
 
 ``--smoke``: the tiny word policy on the workshop, seconds per mode, in this process (peak
 memory then counts both modes); what ``tests/test_llm_sequence.py`` runs. The real one is
@@ -75,8 +78,9 @@ CHECK_SEED = 9_000_000
 APART_STEPS = 8
 
 
-#: ``--long-task``: the long task's game, and windows that hold its hinted observations
-LONG_TASK_SEQUENCE = {**LONG_TASK_GAME, "window_tokens": 640}
+#: ``--long-task``: the long task's game, windows that hold its hinted observations, and
+#: acting with prompt-lookup drafts in both modes (exact: docs/llm.md, "Drafts")
+LONG_TASK_SEQUENCE = {**LONG_TASK_GAME, "window_tokens": 640, "draft_tokens": 8}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -88,7 +92,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--long-task", action="store_true",
                    help="the long task of ops/bench/llm.py --long-task (CookingWorld, 64-step "
                    "cap, up to 72 hinted commands) with windows of 640 tokens, which hold a "
-                   "hinted observation whole; flags given explicitly still win")
+                   "hinted observation whole, and --draft-tokens 8; flags given explicitly "
+                   "still win")
     p.add_argument("--twx-game", default="coin")
     p.add_argument("--twx-params", default="numLocations=7,includeDoors=0,numDistractorItems=0")
     p.add_argument("--max-steps", type=int, default=20, help="episode cap (Run F: 20)")
@@ -137,7 +142,8 @@ def mode_config(args: argparse.Namespace, mode: str) -> Config:
     if args.smoke:
         return make_config(
             TINY, run=run,
-            policy={"context": mode, "context_tokens": 64 if mode == "window" else 160},
+            policy={"context": mode, "context_tokens": 64 if mode == "window" else 160,
+                    "draft_tokens": args.draft_tokens},
             task={"env_config": {"n_orders": 3, "max_steps": 40}},
             sampler={"num_envs": 4}, segmenter={"max_segment_steps": 8},
             learner={"batch_steps": 64, "minibatch_steps": 32, "max_versions": 1,

@@ -62,11 +62,8 @@ def test_the_long_task_flag_sets_what_the_command_line_leaves_alone():
     assert cfg.task.env_config["max_hint_actions"] == 72
     assert cfg.policy.context == "segment" and cfg.run.mode == "async"
     assert cfg.learner.credit == "fusion"
-    assert cfg.policy.draft_tokens == 8  # acting reads prompt-lookup drafts (exact)
-    for given, drafts in ((["--sampler", "vllm"], 0), (["--draft-tokens=3"], 3)):
-        args = p.parse_args(["--long-task", *given])
-        bench.apply_long_task(args, ["--long-task", *given])
-        assert args.draft_tokens == drafts  # a vLLM engine decodes by itself
+    assert cfg.policy.draft_tokens == 0  # a warm start's short commands gain nothing
+    assert bench.bench_config(p.parse_args(["--draft-tokens", "8"])).policy.draft_tokens == 8
 
 
 def test_the_judge_engine_follows_the_sampler_unless_given():

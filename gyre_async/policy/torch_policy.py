@@ -182,6 +182,15 @@ def _behaviour_logp(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     return logp
 
 
+def _to_first_stop(draft: list[int], stops: set[int]) -> list[int]:
+    """``draft`` up to its first stop token (kept: it ends the action; what follows it
+    would be read for nothing)."""
+    for j, token in enumerate(draft):
+        if token in stops:
+            return draft[:j + 1]
+    return draft
+
+
 @dataclass
 class _Session:
     """One episode's cached keys/values: ``layers[l]`` is (keys, values) [H, T, D] of the
@@ -394,8 +403,9 @@ class CausalLMPolicy(Policy):
         live = [True] * rows
         pending: list[int] | None = None  # each row's last sampled token, not yet read
         while any(live):
-            drafts = [prompt_lookup(read[i], min(self.draft_tokens, n_new - len(tokens[i])))
-                      if live[i] else [] for i in range(rows)]
+            drafts = [_to_first_stop(prompt_lookup(
+                read[i], min(self.draft_tokens, n_new - len(tokens[i]))), stops)
+                if live[i] else [] for i in range(rows)]
             lead, k = int(pending is not None), max(len(d) for d in drafts)
             new_ids = torch.full((rows, lead + k), pad, dtype=torch.long)
             new_mask = torch.zeros((rows, lead + k), dtype=torch.bool)

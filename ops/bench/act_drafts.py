@@ -1,10 +1,11 @@
 """Prompt-lookup drafts while acting: SmolLM2 on the long task's segment contexts.
 
-Usage: python ops/bench/act_drafts.py [--steps 24] [--draft-tokens 8] [--seed 1]
+Usage: python ops/bench/act_drafts.py [--steps 24] [--draft-tokens 8] [--seed 1] [--model DIR]
 
-One episode of the long task (CookingWorld, 4 rooms, 3 ingredients; the valid commands at
-the segment's opening, then what changed: ``policy.segment_hint = "changes"``) is played
-with segment contexts by SmolLM2-135M-Instruct, sampled at 0.7. At every step, on that
+One episode of the long task (CookingWorld, 4 rooms, 3 ingredients; by default the valid
+commands at the segment's opening, then what changed: ``policy.segment_hint = "changes"``)
+is played with segment contexts by SmolLM2-135M-Instruct (``--model``: or a warm start of
+it, which writes commands where the base model often writes prose), sampled at 0.7. At every step, on that
 step's context, side by side (each once per step, in turn):
 
 - ``gyre_draft`` / ``gyre_plain``: ``HFPolicy.act_batch`` with the episode's session (only
@@ -35,8 +36,8 @@ import torch
 from _common import LONG_TASK_GAME, make_config, print_result
 
 from gyre_async.compose import build_context_builder, build_policy
-from gyre_async.core.rollout import run_episode
 from gyre_async.core.resumption import task_id_of
+from gyre_async.core.rollout import Acted, run_episode
 from gyre_async.envs import make_env
 from gyre_async.policy.base import Action, SamplingParams
 from gyre_async.policy.hf_policy import HFPolicy
@@ -74,6 +75,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=24, help="steps of the episode measured")
     ap.add_argument("--draft-tokens", type=int, default=8, help="drafted tokens per pass")
     ap.add_argument("--seed", type=int, default=1, help="the game and the sampling")
+    ap.add_argument("--model", default="smollm2",
+                    help="policy.model: smollm2 (the base model), or a local model directory, "
+                    "e.g. a warm start saved by ops/bench/llm.py --save-warm")
+    ap.add_argument("--segment-hint", default="changes", choices=["full", "changes"],
+                    help="policy.segment_hint (a warm start plays best with the hint it was "
+                    "cloned with)")
     args = ap.parse_args()
     cfg = make_config(
         run={"seed": args.seed},
@@ -81,8 +88,9 @@ def main() -> None:
             "game": LONG_TASK_GAME["twx_game"], "params": LONG_TASK_GAME["twx_params"],
             "max_steps": args.steps, "admissible": "hint",
             "max_hint_actions": LONG_TASK_GAME["max_hint_actions"]}},
-        policy={"backend": "hf", "model": "smollm2", "context": "segment",
-                "segment_hint": "changes", "context_tokens": 4096, "max_action_tokens": 12,
+        policy={"backend": "hf", "model": args.model, "context": "segment",
+                "segment_hint": args.segment_hint, "context_tokens": 4096,
+                "max_action_tokens": 12,
                 "lora": {"rank": 0}},
         segmenter={"max_segment_steps": args.steps})
     policies = {name: build_policy(cfg) for name in ("draft", "plain")}
@@ -102,7 +110,7 @@ def main() -> None:
 
     step = [0]
 
-    async def act(context: list[int]) -> Action:
+    async def act(context: list[int]) -> Acted:
         step[0] += 1
         seed = args.seed * 1000 + step[0]
         out: list[Action] = []
@@ -126,7 +134,7 @@ def main() -> None:
                 policies["plain"], context, params, lookup))
         print({v: [round(x, 3) for x in rows[v][-1]] for v in VARIANTS},
               f"context {len(context)} tokens", flush=True)
-        return action
+        return Acted(action, 0)
 
     async def play() -> None:
         env = make_env(cfg.task.env, **cfg.task.env_config)
@@ -147,7 +155,8 @@ def main() -> None:
         return round(sum(r[0] for r in rows_of[a]) / sum(r[0] for r in rows_of[b]), 3)
 
     print_result({
-        "bench": "act_drafts", "steps": step[0], "draft_tokens": args.draft_tokens,
+        "bench": "act_drafts", "model": args.model, "segment_hint": args.segment_hint,
+        "steps": step[0], "draft_tokens": args.draft_tokens,
         "threads": torch.get_num_threads(), "per_action": mean,
         "draft_kept_fraction": round(policies["draft"].accepted_tokens
                                      / max(policies["draft"].drafted_tokens, 1), 3),

@@ -30,6 +30,11 @@ of the next one's. Two things follow:
   context token) and its action's log-probs (at the positions that predict them) off it;
   equal, to float32 rounding, to :meth:`evaluate` of each step's context apart.
 
+Drafts (``policy.draft_tokens``): acting may read a prompt-lookup draft of the next tokens
+in the same forward pass as the token sampled last and keep what sampling would have
+drawn (exact speculative sampling, :meth:`CausalLMPolicy._act_drafted`): the same
+distribution and log-probs in fewer passes when actions repeat their context.
+
 Action vocabulary: ``ModelConfig.action_token_ids`` (when not empty) restricts what the
 policy may generate to those tokens plus ``<eos>``; otherwise every non-special token and
 ``<eos>`` may be generated. The restriction is part of the policy (applied in ``act_batch``

@@ -327,10 +327,7 @@ class CausalLMPolicy(Policy):
             if sessions is not None:
                 self._prefill_apart(contexts, sessions)
             if self.draft_tokens:
-                return [Action(tokens=t, logprobs=b, policy_logprobs=r,
-                               policy_version=self.version,
-                               text=self.tokenizer.decode(t).strip())
-                        for t, b, r in zip(*self._act_drafted(contexts, params, gen, sessions))]
+                return self._actions(*self._act_drafted(contexts, params, gen, sessions))
             ids, mask, sources = self._prompt(contexts, sessions, n_new)
             width = ids.shape[1] - n_new
             start = max(r for _, r in sources)  # the first column computed
@@ -371,6 +368,11 @@ class CausalLMPolicy(Policy):
                     break
             if sessions is not None:
                 self._keep(sessions, ids, mask, cache)
+        return self._actions(tokens, behaviour, raw)
+
+    def _actions(self, tokens: list[list[int]], behaviour: list[list[float]],
+                 raw: list[list[float]]) -> list[Action]:
+        """Each row's sampled tokens and their log-probs as an :class:`Action`."""
         return [Action(tokens=t, logprobs=b, policy_logprobs=r, policy_version=self.version,
                        text=self.tokenizer.decode(t).strip())
                 for t, b, r in zip(tokens, behaviour, raw)]

@@ -295,6 +295,31 @@ def test_later_segments_open_with_the_task_the_recipe_and_what_the_milestones_to
     assert state.context(builder) == played[after_first_milestone]
 
 
+def test_simon_says_segments_open_with_the_list_the_first_observation_gave():
+    """Simon Says with ``memorization=1`` lists every action once, in its first observation,
+    and never again: that list is part of the task, so a segment that opens after it still
+    holds it (without it the next action cannot be known)."""
+    simon = {"game": "simonsays", "params": "gameLength=6,numDistractors=2,memorization=1",
+             "max_steps": 15, "admissible": "hint"}
+    tok = ByteTokenizer()
+    builder = ContextBuilder(tok, 20_000, 0, mode="segment")
+    (demo,) = gold_demonstrations("twx", simon, [1])
+    actions = [step.action for step in demo.steps]
+    assert demo.success and len(actions) == 6
+    listed = "take these actions in order: " + ", ".join(actions)
+    assert listed in demo.steps[0].observation
+    assert all(listed in step.task for step in demo.steps)
+
+    def tokens_of(text):
+        return [*tok.encode(text), tok.eos_id]
+
+    cuts = SegmenterConfig(max_segment_steps=2, milestone_min_steps=2)  # every step scores
+    offline, _ = training_segments([demo], builder, cuts, tokens_of)
+    openings = [tok.decode(s.sequence[:s.decisions[0][0]]) for s in offline]
+    assert len(openings) == 3
+    assert all(opening.count(listed) == 1 for opening in openings), openings
+
+
 def test_segment_contexts_list_valid_commands_once_then_what_changed():
     """``hint="changes"``: a segment's opening lists every valid command, each later step
     only those that became valid or stopped being valid; the list a reader holds from them

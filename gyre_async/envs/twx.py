@@ -7,8 +7,9 @@ Games: cookingworld, twc, coin, mapreader, arithmetic, sorting, simonsays, pecki
 seed list. Milestones: each point of the game's partial score (``scoreRaw``), proven by the
 simulator's score counter. Demonstrations: the simulator's gold action sequence. The task
 (:meth:`Env.task`): the simulator's task description, and in CookingWorld the recipe too
-once the cookbook has been read (what the agent must still know when a segment context
-opens after it).
+once the cookbook has been read, in Simon Says with memorization the list of actions the
+first observation gives (what the agent must still know when a segment context opens
+after it).
 All instances in a process share one JVM (:mod:`.jvm`).
 """
 
@@ -22,6 +23,11 @@ from gyre_async.envs.text_games import TextGameEnv, Turn, register_text_game
 #: How CookingWorld's cookbook begins when read: that observation is the recipe, part of the
 #: task from then on.
 RECIPE_OPENING = "Gather all following ingredients"
+
+#: What a first observation says when it holds the whole instruction (Simon Says with
+#: ``memorization=1`` lists every action once, at the start, and never again): part of the
+#: task, or a segment that opens mid-episode could not know what comes next.
+INSTRUCTION_MARK = "take these actions in order:"
 
 
 class TextWorldExpressEnv(TextGameEnv):
@@ -57,7 +63,7 @@ class TextWorldExpressEnv(TextGameEnv):
         if first:
             self._description = self._server.getTaskDescription()
             observation = f"{self._description} {observation}"
-            task = self._description
+            task = observation if INSTRUCTION_MARK in observation else self._description
         elif observation.lstrip().startswith(RECIPE_OPENING):
             task = f"{self._description} {observation.strip()}"
         return Turn(observation=observation, score=float(info.get("score", 0.0)),

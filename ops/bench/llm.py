@@ -74,6 +74,7 @@ from pathlib import Path
 from _common import (
     LONG_TASK_GAME,
     ROOT,
+    SIMON_TASK_GAME,
     add_pacing_flags,
     alternate,
     apply_preset,
@@ -133,10 +134,22 @@ LONG_TASK = {"env": "twx", **LONG_TASK_GAME, "context": "segment", "context_toke
              "eval_start": "no"}
 
 
+#: ``--long-task simon``: Simon Says with memory (its list of 24 actions given once, at the
+#: start; one wrong action loses), segments of 8 steps (every step scores, so a milestone
+#: would close one at every step), the list once per segment, and a warm start of 16
+#: walkthroughs cloned for 6 epochs (the base model wins 0 of 32 dev games; the start wins
+#: about one in sixteen: docs/training.md, "Simon Says with memory").
+LONG_TASK_SIMON = {**LONG_TASK, **SIMON_TASK_GAME, "milestone_min_steps": 8,
+                   "max_segment_steps": 8, "segment_hint": "changes", "warmstart_epochs": 6}
+
+LONG_TASKS = {"cooking": LONG_TASK, "simon": LONG_TASK_SIMON}
+
+
 def apply_long_task(args: argparse.Namespace, argv: list[str]) -> None:
-    """``--long-task`` sets :data:`LONG_TASK` on every flag the command line left alone."""
+    """``--long-task [NAME]`` sets :data:`LONG_TASKS` ``[NAME]`` on every flag the command
+    line left alone."""
     if args.long_task:
-        apply_preset(args, argv, LONG_TASK)
+        apply_preset(args, argv, LONG_TASKS[args.long_task])
 
 
 def credit_overrides(args: argparse.Namespace) -> dict:
@@ -622,10 +635,13 @@ def parser() -> argparse.ArgumentParser:
                         "--minutes alone): a baseline given the env steps another run made "
                         "(--credit outcome beside the headline run), --minutes then its cap")
     p.add_argument("--base-only", action="store_true", help="measure the base model only")
-    p.add_argument("--long-task", action="store_true",
-                   help="the long task's headline settings (CookingWorld, 4 rooms, 3 "
-                        "ingredients, doors: median gold path 24 steps; 64-step cap; segment "
-                        "contexts; 96 held-out test games); flags given explicitly win")
+    p.add_argument("--long-task", nargs="?", const="cooking", default="",
+                   choices=sorted(LONG_TASKS),
+                   help="the long task's headline settings: 'cooking' (the default: "
+                        "CookingWorld, 4 rooms, 3 ingredients, doors: median gold path 24 "
+                        "steps; 64-step cap) or 'simon' (Simon Says with memory: 24 actions "
+                        "listed once, one wrong action loses; 60-step cap), both with segment "
+                        "contexts and 96 held-out test games; flags given explicitly win")
     p.add_argument("--credit", default="fusion", choices=["fusion", "outcome"],
                    help="Gyre's credit (milestones, segment GAE, outcome fusion), or the "
                         "outcome-only GRPO-style baseline (sync mode, no milestone pay)")

@@ -74,6 +74,16 @@ def test_the_choice_is_among_updates_only(heldout):
     assert heldout.choose(rows)["version"] == 4  # success, then score, then the earlier
 
 
+def test_milestones_decide_where_every_candidate_lost_with_the_same_score(heldout):
+    """Simon Says scores every lost game -1: with nothing won, the candidate whose games
+    reached more milestones is chosen, not the earliest."""
+    rows = [{"version": 8, "success": 0.0, "score": -1.0, "milestones": 5.0, "candidate": True},
+            {"version": 32, "success": 0.0, "score": -1.0, "milestones": 7.3, "candidate": True},
+            {"version": 40, "success": 0.0, "score": -1.0, "milestones": 6.8, "candidate": True},
+            {"version": 48, "success": 0.0, "score": -1.0, "candidate": True}]  # kept from before
+    assert heldout.choose(rows)["version"] == 32
+
+
 @pytest.mark.slow  # an end-to-end run: the full tier (the fast tier stays under 3 minutes)
 def test_dev_figures_equal_the_runs_own_evaluator(heldout, tmp_path, monkeypatch):
     from gyre_async.bus import open_bus

@@ -129,9 +129,14 @@ class PlayBook:
 
 
 def choose(selection: list[dict]) -> dict:
-    """The best candidate on validation: success, then score, then the earlier version."""
+    """The best candidate on validation: success, then score, then milestones reached per
+    game, then the earlier version. Milestones decide where a game's score does not show
+    progress: Simon Says scores every lost game -1 however far it got, so with no game
+    won every candidate tied and the earliest was chosen (plays kept from before milestones
+    were counted read as none)."""
     return max((e for e in selection if e["candidate"]),
-               key=lambda e: (e["success"], e["score"], -e["version"]))
+               key=lambda e: (e["success"], e["score"], e.get("milestones", 0.0),
+                              -e["version"]))
 
 
 def split_config(cfg: Config, split: str, episodes: int, engine: str,
@@ -207,6 +212,7 @@ async def play(cfg: Config, holder: PolicyHolder, builder: ContextBuilder, label
     figures = {"version": holder.version, "success": r["success_rate"], "wins": wins,
                "episodes": n, "score": round(r["mean_score"], 4),
                "length": round(r["mean_length"], 2),
+               "milestones": round(sum(r["milestone_rates"].values()), 3),
                "seconds": round(time.monotonic() - started, 1)}
     print(f"[heldout] {label}: {wins}/{n} won, score {figures['score']}, "
           f"length {figures['length']} ({figures['seconds']} s)", flush=True)

@@ -58,14 +58,6 @@ LONG_TASK_GAME = {"twx_game": "cookingworld",
                                 "includeDoors=1,limitInventorySize=0",
                   "max_steps": 64, "max_hint_actions": 72}
 
-#: ``--long-task simon`` (docs/training.md, "Simon Says with memory"): TextWorldExpress Simon
-#: Says with ``memorization=1``: the first observation lists 24 actions, each later step must
-#: do the next from memory, and any other action loses the game (gold path 24 steps, a
-#: 60-step cap, every right action a point of the game's score).
-SIMON_TASK_GAME = {"twx_game": "simonsays",
-                   "twx_params": "gameLength=24,numDistractors=4,memorization=1",
-                   "max_steps": 60, "max_hint_actions": 72}
-
 
 def add_pacing_flags(p: argparse.ArgumentParser, where: str = "") -> None:
     """``--max-staleness``, ``--max-segment-steps`` and ``--milestone-min-steps``: how an

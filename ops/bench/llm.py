@@ -74,7 +74,6 @@ from pathlib import Path
 from _common import (
     LONG_TASK_GAME,
     ROOT,
-    SIMON_TASK_GAME,
     add_pacing_flags,
     alternate,
     apply_preset,
@@ -139,7 +138,9 @@ LONG_TASK = {"env": "twx", **LONG_TASK_GAME, "context": "segment", "context_toke
 #: would close one at every step), the list once per segment, and a warm start of 16
 #: walkthroughs cloned for 6 epochs (the base model wins 0 of 32 dev games; the start wins
 #: about one in sixteen: docs/training.md, "Simon Says with memory").
-LONG_TASK_SIMON = {**LONG_TASK, **SIMON_TASK_GAME, "milestone_min_steps": 8,
+LONG_TASK_SIMON = {**LONG_TASK, "twx_game": "simonsays",
+                   "twx_params": "gameLength=24,numDistractors=4,memorization=1",
+                   "max_steps": 60, "milestone_min_steps": 8,
                    "max_segment_steps": 8, "segment_hint": "changes", "warmstart_epochs": 6}
 
 LONG_TASKS = {"cooking": LONG_TASK, "simon": LONG_TASK_SIMON}

@@ -57,12 +57,6 @@ async def play(args: argparse.Namespace) -> list[dict]:
     env_config = {**cfg.task.env_config, **cfg.evaluator.env_config}
 
     async def one(index: int, task_id: str, seed: int) -> dict:
-        gold_env = make_env(cfg.task.env, **env_config)
-        try:
-            gold_env.reset_sync(task_id, seed)
-            listed = gold_env.demonstration()
-        finally:
-            await gold_env.close()
         steps: list[tuple[int, str, bool]] = []
 
         async def on_step(record: StepRecord) -> None:
@@ -76,6 +70,7 @@ async def play(args: argparse.Namespace) -> list[dict]:
                 env, task_id, seed, functools.partial(batcher.act, session=session), builder,
                 step_timeout_s=cfg.sampler.step_timeout_s, on_step=on_step,
                 segments=cfg.segmenter)
+            listed = env.demonstration()  # the game's gold path: its list, in order
         finally:
             holder.policy.forget_session(session)
             await env.close()

@@ -51,7 +51,7 @@ async def play(args: argparse.Namespace) -> list[dict]:
     params = SamplingParams(temperature=args.temperature,
                             max_action_tokens=cfg.policy.max_action_tokens,
                             greedy=args.temperature == 0)
-    plan = validation_set(cfg, args.episodes)
+    plan = validation_set(cfg, args.episodes)[:args.episodes]  # the config may fix more
     batcher = ActionBatcher(holder, params, wait_s=0.02, seed=args.seed)
     batcher.active = len(plan)
     env_config = {**cfg.task.env_config, **cfg.evaluator.env_config}

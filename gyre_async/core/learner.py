@@ -384,8 +384,9 @@ class LearnerCore:
         })
         self.critic.after_update(self.policy, self.optimizer, metrics["losses/value_loss"],
                                  float(prep.local_advantages.abs().max()))
-        if self.critic.refit_due():
-            metrics["losses/value_refit"] = self._refit(items, prep)
+        if self.critic.refit_due():  # on a batch without advantage, the critic alone
+            metrics["losses/value_refit"] = self._refit(
+                items, prep, critic_only=bool(metrics["losses/policy_step_skipped"]))
         metrics.update(prep.credit_stats())
         return result(metrics, False)
 
@@ -396,7 +397,7 @@ class LearnerCore:
                                 [it.scored.step_start for it in items],
                                 [it.terminal for it in items], self.cfg.learner.gamma)
 
-    def _refit(self, items: list[BatchItem], prep: PreparedBatch) -> float:
+    def _refit(self, items: list[BatchItem], prep: PreparedBatch, critic_only: bool) -> float:
         """The critic's periodic supervised refit on the batch's complete Monte-Carlo returns."""
         flat = [r for row in self._complete_returns(items) for r in row]
         keep = [i for i, r in enumerate(flat) if r is not None]
@@ -411,7 +412,7 @@ class LearnerCore:
         return self.critic.refit(self.policy, optimizer, [prep.contexts[i] for i in keep],
                                  [prep.actions[i] for i in keep],
                                  torch.tensor([flat[i] for i in keep]),
-                                 self.cfg.learner.max_grad_norm, evaluate)
+                                 self.cfg.learner.max_grad_norm, evaluate, critic_only)
 
     def take_critic_resets(self) -> list[Divergence]:
         """Critic resets since the last call, to announce once each (readings made finite:

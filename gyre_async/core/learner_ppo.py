@@ -24,6 +24,7 @@ from gyre_async.core.learner_batch import (
     read_units,
 )
 from gyre_async.core.learner_dp import DataParallel
+from gyre_async.rl.critic import critic_gradients_only
 from gyre_async.rl.finite import check_batch_finite, check_loss_finite
 from gyre_async.rl.ppo import broadcast_step_advantages, ppo_policy_loss, value_loss
 from schemas.config import LearnerConfig
@@ -77,6 +78,9 @@ class PpoEpochs:
                          else self._proximal_logprobs(width))
         self.base = self._base_logprobs(width) if settings.kl_to_base > 0 else None
         check_batch_finite({}, {"proximal_logprobs": self.proximal}, ids)
+        #: every advantage 0 (outcome credit where each group's episodes ended alike): no
+        #: policy signal, so only the critic steps (``critic_gradients_only``)
+        self.signal_free = bool(n) and bool((adv == 0).all())
 
     def run(self) -> dict[str, float]:
         """Decoupled PPO epochs (see ``gyre_async.rl.ppo``); the mean of each reading.
@@ -100,11 +104,14 @@ class PpoEpochs:
                     check_loss_finite(torch.tensor(readings.pop("loss")), self.ids)
                 else:
                     readings.pop("loss")
+                if self.signal_free:  # the value head's gradient alone (see its docs)
+                    critic_gradients_only(self.policy, params)
                 grad_norm = torch.nn.utils.clip_grad_norm_(params, settings.max_grad_norm)
                 self.optimizer.step()
                 for key, val in {**readings, "grad_norm": float(grad_norm)}.items():
                     stats.setdefault(key, []).append(val)
-        return {f"losses/{k}": float(np.mean(vals)) for k, vals in stats.items()}
+        out = {f"losses/{k}": float(np.mean(vals)) for k, vals in stats.items()}
+        return {**out, "losses/policy_step_skipped": float(self.signal_free)}
 
     def _minibatches(self, gen: torch.Generator) -> list[list[int]]:
         """One epoch's minibatches (rows of the batch), in a fresh random order: steps

@@ -127,6 +127,26 @@ def value_head(policy) -> torch.nn.Linear:
     return head
 
 
+def critic_gradients_only(policy, params: Sequence[torch.nn.Parameter]) -> None:
+    """Drop the gradient of every parameter in ``params`` but the value head's, so that the
+    optimizer's next step moves the critic alone.
+
+    For a batch with no advantage (outcome credit where each group's episodes ended alike):
+    the value loss's gradient also reaches the weights the critic shares with the policy
+    (the trunk, an LLM's LoRA adapters), and Adam turns even a tiny gradient, or the
+    momentum of earlier updates, into a full-size step; on Simon Says such batches raised
+    the policy's entropy 0.14 -> 1.30 in 21 versions with a policy loss of 0.0 in every
+    update. torch's optimizers skip a parameter whose ``grad`` is None, moments included.
+    A policy without a value head steps nothing."""
+    try:
+        head = {id(p) for p in value_head(policy).parameters()}
+    except TypeError:
+        head = set()
+    for p in params:
+        if id(p) not in head:
+            p.grad = None
+
+
 class CriticGuard:
     """The learner's critic defences, with the state they keep between updates.
 
@@ -200,10 +220,12 @@ class CriticGuard:
 
     def refit(self, policy, optimizer, contexts: list[list[int]], actions: list[list[int]],
               targets: torch.Tensor, max_grad_norm: float,
-              evaluate: Callable[[list[int]], Any] | None = None) -> float:
+              evaluate: Callable[[list[int]], Any] | None = None,
+              critic_only: bool = False) -> float:
         """Value-only passes on (context, complete return) pairs; returns the last loss.
         ``evaluate(rows)``: how the pairs ``rows`` are evaluated (default: each context
-        apart, ``policy.evaluate``; the learner reads one-sequence segments in one pass)."""
+        apart, ``policy.evaluate``; the learner reads one-sequence segments in one pass).
+        ``critic_only``: step the value head alone (see :func:`critic_gradients_only`)."""
         if evaluate is None:
             def evaluate(rows: list[int]) -> Any:
                 return policy.evaluate([contexts[i] for i in rows], [actions[i] for i in rows])
@@ -218,6 +240,8 @@ class CriticGuard:
                 loss = 0.5 * ((out.values.float() - targets[mb]) ** 2).mean()
                 optimizer.zero_grad()
                 loss.backward()
+                if critic_only:
+                    critic_gradients_only(policy, list(policy.parameters()))
                 torch.nn.utils.clip_grad_norm_(policy.parameters(), max_grad_norm)
                 optimizer.step()
                 loss_value = float(loss.detach())

@@ -7,6 +7,9 @@ summary of the last milestones, which is where the cloned model of docs/training
 
     python ops/bench/simon_failures.py --model runs/warm-simon6 --episodes 16
 
+Flags it does not know are passed to ``llm.py``'s parser after ``--long-task simon``, so a
+variant is played as its run would be (e.g. ``--max-segment-steps 60``: one segment a game).
+
 Last line: one JSON object with the counts.
 """
 
@@ -41,7 +44,7 @@ def parser() -> argparse.ArgumentParser:
 
 async def play(args: argparse.Namespace) -> list[dict]:
     argv = ["--long-task", "simon", "--model", args.model, "--warmstart-demos", "0",
-            "--out", "/nonexistent-unused"]
+            "--out", "/nonexistent-unused", *args.llm_flags]
     bench_args = llm.parser().parse_args(argv)
     llm.apply_long_task(bench_args, argv)
     cfg = llm.bench_config(bench_args)
@@ -87,7 +90,7 @@ async def play(args: argparse.Namespace) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    args, args.llm_flags = parser().parse_known_args(argv)
     games = asyncio.run(play(args))
     for game in games:
         print(json.dumps(game))
@@ -96,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
                   "won": len(games) - len(lost),
                   "lost_at": sorted(g["lost_at"] for g in lost),
                   "lost_at_an_opening": sum(g["opened_segment"] for g in lost),
-                  "temperature": args.temperature})
+                  "temperature": args.temperature, "llm_flags": args.llm_flags})
     return 0
 
 

@@ -667,6 +667,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-comparisons", action="store_true",
                    help="with --report: reuse <out>/compare.json instead of measuring the "
                         "speed comparisons again (e.g. to add --test-episodes figures)")
+    p.add_argument("--no-comparisons", action="store_true",
+                   help="skip the learner and acting speed comparisons after the run (about "
+                        "13 minutes on 2 cores; their fields read null): for learning runs "
+                        "whose speed figures are measured elsewhere")
     p.add_argument("--env", default="textworld", choices=["textworld", "twx"],
                    help="TextWorld cooking (--recipe/--take/--go), or a TextWorldExpress game "
                         "(--twx-game/--twx-params) as the smaller second task")
@@ -899,7 +903,10 @@ def in_loop_figures(cfg: Config, summary: dict, episodes: int) -> InLoop:
 
 def comparisons(args: argparse.Namespace, argv: list[str]) -> dict:
     """The side-by-side speed figures, measured in a child process (``--compare``) on the
-    finished run, or those ``<out>/compare.json`` kept (``--report --keep-comparisons``)."""
+    finished run, or those ``<out>/compare.json`` kept (``--report --keep-comparisons``);
+    none with ``--no-comparisons`` (their fields read None)."""
+    if args.no_comparisons:
+        return {}
     compare_path = os.path.join(args.out, "compare.json")
     if not (args.report and args.keep_comparisons and os.path.exists(compare_path)):
         child_argv = [a for a in argv if a not in ("--report", "--keep-comparisons")]
@@ -941,20 +948,20 @@ def result_of(args: argparse.Namespace, base: dict, run: Run, loop: InLoop, cmp:
         # long task's learning shows in milestones and losses before any game is won)
         "training_parts": summary.get("training_parts"),
         "online_seconds": round(run.online_s, 1),
-        "learner_tokens_per_s": cmp["learner_tokens_per_s"],
-        "raw_learner_tokens_per_s": cmp["raw_learner_tokens_per_s"],
-        "learner_vs_raw": cmp["learner_vs_raw"], "learner_rounds": cmp["learner_rounds"],
-        "acting_tokens_per_s": {"torch": cmp["gyre_acting_tokens_per_s"],
+        "learner_tokens_per_s": cmp.get("learner_tokens_per_s"),
+        "raw_learner_tokens_per_s": cmp.get("raw_learner_tokens_per_s"),
+        "learner_vs_raw": cmp.get("learner_vs_raw"), "learner_rounds": cmp.get("learner_rounds"),
+        "acting_tokens_per_s": {"torch": cmp.get("gyre_acting_tokens_per_s"),
                                 "vllm": cmp.get("vllm_acting_tokens_per_s")},
         "vllm_generate_tokens_per_s": cmp.get("vllm_generate_tokens_per_s"),
         "vllm_rounds": cmp.get("vllm_rounds"),
-        "raw_generate_tokens_per_s": cmp["raw_generate_tokens_per_s"],
-        "torch_vs_raw_generate": cmp["torch_vs_raw_generate"],
+        "raw_generate_tokens_per_s": cmp.get("raw_generate_tokens_per_s"),
+        "torch_vs_raw_generate": cmp.get("torch_vs_raw_generate"),
         "vllm_vs_raw": cmp.get("vllm_vs_raw"), "vllm_note": vllm_note,
-        "publish_to_act_s": {"torch": cmp["publish_to_act_s"] if args.sampler == "hf" else None,
-                             "vllm": cmp["publish_to_act_s"] if args.sampler == "vllm" else None},
+        "publish_to_act_s": {"torch": cmp.get("publish_to_act_s") if args.sampler == "hf" else None,
+                             "vllm": cmp.get("publish_to_act_s") if args.sampler == "vllm" else None},
         "peak_rss_mb": {"base eval, warm-start, gyre run (every role, one process)": run.rss_mb,
-                        "comparisons (separate process)": cmp["peak_rss_mb"]},
+                        "comparisons (separate process)": cmp.get("peak_rss_mb")},
         "png": png, "settings": vars(args),
     }
     if held is not None:  # the headline: chosen on dev games, reported on unseen test games

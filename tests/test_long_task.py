@@ -66,22 +66,23 @@ def test_the_long_task_flag_sets_what_the_command_line_leaves_alone():
     assert bench.bench_config(p.parse_args(["--draft-tokens", "8"])).policy.draft_tokens == 8
 
 
-def test_simon_says_with_memory_is_a_24_step_task_with_8_step_segments():
+def test_simon_says_with_memory_is_a_24_step_task_played_as_one_segment():
     """``--long-task simon``: every game's gold path is its 24 listed actions, the cap
-    leaves 2.5x that, and segments are cut every 8 steps (every step scores, so a milestone
-    alone would close a segment at every step); the bare flag is still CookingWorld."""
+    leaves 2.5x that, and a game is one segment (every step scores, so a milestone would
+    otherwise close a segment at every step); the bare flag is still CookingWorld."""
     bench = load_script("ops/bench/llm.py")
     p = bench.parser()
     argv = ["--long-task", "simon", "--out", "x"]
     args = p.parse_args(argv)
     bench.apply_long_task(args, argv)
     assert (args.twx_game, args.max_steps, args.segment_hint) == ("simonsays", 60, "changes")
-    assert (args.milestone_min_steps, args.max_segment_steps) == (8, 8)
-    assert (args.warmstart_demos, args.warmstart_epochs, args.test_episodes) == (16, 6, 96)
+    assert (args.milestone_min_steps, args.max_segment_steps) == (60, 60)
+    assert (args.warmstart_demos, args.warmstart_epochs, args.test_episodes) == (64, 3, 96)
     lengths = _gold_lengths(args.twx_game, args.twx_params, games=16)
     assert set(lengths) == {24} and args.max_steps >= 2.5 * 24
     cfg = bench.bench_config(args)
-    assert cfg.segmenter.milestone_min_steps == 8 and cfg.policy.context == "segment"
+    assert cfg.segmenter.milestone_min_steps == 60 and cfg.policy.context == "segment"
+    assert cfg.segmenter.max_segment_steps == args.max_steps
     bare = p.parse_args(["--long-task", "--out", "x"])
     bench.apply_long_task(bare, ["--long-task", "--out", "x"])
     assert bare.twx_game == "cookingworld"

@@ -24,7 +24,6 @@ import llm
 from _common import print_result
 
 from gyre_async.compose import build_context_builder, build_policy, build_tokenizer
-from gyre_async.core.evaluation import validation_set
 from gyre_async.core.rollout import ActionBatcher, PolicyHolder, StepRecord, run_episode
 from gyre_async.envs import make_env
 from gyre_async.policy.base import SamplingParams
@@ -39,6 +38,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=llm.TEMPERATURE,
                    help="sampling temperature (0: greedy)")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--split", default="dev", choices=["train", "dev", "test"],
+                   help="the fold the games come from (each fold has its own objects)")
+    p.add_argument("--first-game", type=int, default=0,
+                   help="index of the first game in the fold (the warm start clones the "
+                        "train fold's first --warmstart-demos games)")
     return p
 
 
@@ -54,10 +58,11 @@ async def play(args: argparse.Namespace) -> list[dict]:
     params = SamplingParams(temperature=args.temperature,
                             max_action_tokens=cfg.policy.max_action_tokens,
                             greedy=args.temperature == 0)
-    plan = validation_set(cfg, args.episodes)[:args.episodes]  # the config may fix more
+    plan = [(f"twx:{seed}", seed)
+            for seed in range(args.first_game, args.first_game + args.episodes)]
     batcher = ActionBatcher(holder, params, wait_s=0.02, seed=args.seed)
     batcher.active = len(plan)
-    env_config = {**cfg.task.env_config, **cfg.evaluator.env_config}
+    env_config = {**cfg.task.env_config, **cfg.evaluator.env_config, "split": args.split}
 
     async def one(index: int, task_id: str, seed: int) -> dict:
         steps: list[tuple[int, str, bool]] = []
@@ -99,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
                   "won": len(games) - len(lost),
                   "lost_at": sorted(g["lost_at"] for g in lost),
                   "lost_at_an_opening": sum(g["opened_segment"] for g in lost),
+                  "split": args.split, "first_game": args.first_game,
                   "temperature": args.temperature, "llm_flags": args.llm_flags})
     return 0
 

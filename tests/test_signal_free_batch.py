@@ -40,54 +40,57 @@ def snapshot(params) -> list[torch.Tensor]:
     return [p.detach().clone() for p in params]
 
 
+class Learner:
+    """A tiny policy, its Adam optimizer, and its weights split into value head and the
+    rest (the weights the critic shares with the policy)."""
+
+    def __init__(self, tmp_path):
+        self.cfg = config(tmp_path)
+        torch.manual_seed(0)
+        self.policy = build_policy(self.cfg)
+        self.optimizer = torch.optim.Adam(self.policy.parameters(),
+                                          lr=self.cfg.learner.learning_rate)
+        self.head = list(value_head(self.policy).parameters())
+        self.trunk = [p for p in self.policy.parameters()
+                      if all(p is not h for h in self.head)]
+
+    def update(self, advantages: list[float]) -> dict[str, float]:
+        return PpoEpochs(self.policy, self.optimizer, self.cfg.learner,
+                         batch(self.policy, advantages), ["s"]).run()
+
+
+def moved(before: list[torch.Tensor], params) -> bool:
+    return any(not torch.equal(a, b) for a, b in zip(before, params))
+
+
 def test_a_batch_without_advantage_steps_the_value_head_only(tmp_path):
-    cfg = config(tmp_path)
-    torch.manual_seed(0)
-    policy = build_policy(cfg)
-    optimizer = torch.optim.Adam(policy.parameters(), lr=cfg.learner.learning_rate)
-    ids = ["s"]
-    # A batch with signal first, so Adam holds momentum for every weight.
-    PpoEpochs(policy, optimizer, cfg.learner, batch(policy, [1.0, -1.0] * 4), ids).run()
-
-    head = set(value_head(policy).parameters())
-    trunk = [p for p in policy.parameters() if p not in head]
-    before_trunk, before_head = snapshot(trunk), snapshot(head)
-    readings = PpoEpochs(policy, optimizer, cfg.learner, batch(policy, [0.0] * 8), ids).run()
-
+    learner = Learner(tmp_path)
+    learner.update([1.0, -1.0] * 4)  # a batch with signal first: Adam holds momentum
+    before_trunk, before_head = snapshot(learner.trunk), snapshot(learner.head)
+    readings = learner.update([0.0] * 8)
     assert readings["losses/policy_loss"] == 0.0
     assert readings["losses/policy_step_skipped"] == 1.0
     assert readings["losses/value_loss"] > 0.0
-    assert all(torch.equal(a, b) for a, b in zip(before_trunk, trunk))
-    assert any(not torch.equal(a, b) for a, b in zip(before_head, head))
+    assert not moved(before_trunk, learner.trunk)
+    assert moved(before_head, learner.head)
 
 
 def test_a_batch_with_advantage_still_steps_the_policy(tmp_path):
-    cfg = config(tmp_path)
-    torch.manual_seed(0)
-    policy = build_policy(cfg)
-    optimizer = torch.optim.Adam(policy.parameters(), lr=cfg.learner.learning_rate)
-    head = set(value_head(policy).parameters())
-    trunk = [p for p in policy.parameters() if p not in head]
-    before = snapshot(trunk)
-    readings = PpoEpochs(policy, optimizer, cfg.learner, batch(policy, [1.0, 0.0] * 4),
-                         ["s"]).run()
-    assert readings["losses/policy_step_skipped"] == 0.0
-    assert any(not torch.equal(a, b) for a, b in zip(before, trunk))
+    learner = Learner(tmp_path)
+    before = snapshot(learner.trunk)
+    assert learner.update([1.0, 0.0] * 4)["losses/policy_step_skipped"] == 0.0
+    assert moved(before, learner.trunk)
 
 
 def test_the_critics_refit_after_such_a_batch_moves_the_value_head_only(tmp_path):
-    cfg = config(tmp_path)
-    torch.manual_seed(0)
-    policy = build_policy(cfg)
-    optimizer = torch.optim.Adam(policy.parameters(), lr=cfg.learner.learning_rate)
-    prep = batch(policy, [0.0] * 8)
-    head = set(value_head(policy).parameters())
-    trunk = [p for p in policy.parameters() if p not in head]
-    guard = CriticGuard(cfg.learner)
-    moved = []
+    learner = Learner(tmp_path)
+    prep = batch(learner.policy, [0.0] * 8)
+    guard = CriticGuard(learner.cfg.learner)
+    trunk_moved = []
     for critic_only in (True, False):
-        before = snapshot(trunk)
-        guard.refit(policy, optimizer, prep.contexts, prep.actions, prep.returns + 1.0,
-                    cfg.learner.max_grad_norm, critic_only=critic_only)
-        moved.append(any(not torch.equal(a, b) for a, b in zip(before, trunk)))
-    assert moved == [False, True]  # the plain refit trains the shared weights too
+        before = snapshot(learner.trunk)
+        guard.refit(learner.policy, learner.optimizer, prep.contexts, prep.actions,
+                    prep.returns + 1.0, learner.cfg.learner.max_grad_norm,
+                    critic_only=critic_only)
+        trunk_moved.append(moved(before, learner.trunk))
+    assert trunk_moved == [False, True]  # the plain refit trains the shared weights too

@@ -1,9 +1,9 @@
-"""Where a model loses Simon Says with memory (``llm.py --long-task simon``): it plays dev
-games with the run's contexts and segments and prints, for each game, the step it lost at,
+"""Where a model loses Simon Says with memory (``llm.py --long-task simon``): it plays games
+(dev by default, ``--split``) with the run's contexts and segments and prints, for each game, the step it lost at,
 what it wrote, what the list asked for, and whether that step opened a segment; then how
 many losses came at an opening. A segment opening must find its place in the list from the
-summary of the last milestones, which is where the cloned model of docs/training.md
-("Simon Says with memory") loses most of its games.
+summary of the last milestones, which is where the 8-step-segment warm start of
+docs/training.md ("Simon Says with memory") lost most of its games.
 
     python ops/bench/simon_failures.py --model runs/warm-simon6 --episodes 16
 
@@ -34,7 +34,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True,
                    help="a model directory, e.g. a warm start saved by llm.py --save-warm, or "
                         "a run's version from `gyre export-model`")
-    p.add_argument("--episodes", type=int, default=16, help="dev games, from the first")
+    p.add_argument("--episodes", type=int, default=16, help="games of --split, from --first-game")
     p.add_argument("--temperature", type=float, default=llm.TEMPERATURE,
                    help="sampling temperature (0: greedy)")
     p.add_argument("--seed", type=int, default=1)

@@ -1,9 +1,10 @@
 """Where a model loses Simon Says with memory (``llm.py --long-task simon``): it plays games
 (dev by default, ``--split``) with the run's contexts and segments and prints, for each
 game, the step it lost at, what it wrote, what the list asked for, and whether that step
-opened a segment; then how many losses came at an opening. A segment opening must find its place in the list from the
-summary of the last milestones, which is where the 8-step-segment warm start of
-docs/training.md ("Simon Says with memory") lost most of its games.
+opened a segment; then how many losses came at an opening. A segment opening must find its
+place in the list from the summary of the last milestones, which is where the
+8-step-segment warm start of docs/training.md ("Simon Says with memory") lost most of its
+games.
 
     python ops/bench/simon_failures.py --model runs/warm-simon6 --episodes 16
 

@@ -61,6 +61,10 @@ def validate(cfg: Config, where: str = "config") -> None:
                         "(a segment's verdict carries one reward per step)")
     if cfg.sampler.group_size < 1:
         problems.append("sampler.group_size must be >= 1 (episodes per task; 1: no groups)")
+    if cfg.learner.credit == "anchored" and cfg.sampler.group_size < 2:
+        problems.append("learner.credit 'anchored' compares the members of a group: set "
+                        "sampler.group_size >= 2 (and run.mode 'sync', so that a batch holds "
+                        "whole groups)")
     if not 0.0 <= cfg.learner.fusion_max_weight <= 1.0:
         problems.append("learner.fusion_max_weight must be in [0, 1]")
     if not 0.0 < cfg.learner.divergence_lr_shrink <= 1.0:

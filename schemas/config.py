@@ -370,11 +370,14 @@ class LearnerConfig(Strict):
     """Stop training after this many updates (0: no limit)."""
     checkpoints: str = ""
     """Checkpoint store URL (default: <run_dir>/checkpoints)."""
-    credit: Literal["fusion", "gae", "outcome"] = "fusion"
+    credit: Literal["fusion", "gae", "outcome", "anchored"] = "fusion"
     """Credit assignment (see gyre_async.rl.fusion). fusion: segment GAE fused per segment
     with the trajectory's group-relative outcome advantage once its outcome is known.
     gae: segment GAE alone. outcome: the group outcome advantage alone (GRPO; steps of
-    trajectories whose outcome is unknown get 0, so pair it with sync mode)."""
+    trajectories whose outcome is unknown get 0, so pair it with sync mode). anchored: the
+    group outcome advantage plus, per step, its return-to-go compared among the group's
+    steps with exactly the same context (critic-free step credit; needs
+    sampler.group_size > 1, and sync mode so that a batch holds whole groups)."""
     fusion_max_weight: float = 0.8
     """Largest weight the global outcome advantage can take in a segment (w_max < 1 keeps
     some per-step credit assignment in every segment)."""

@@ -133,3 +133,35 @@ def slow_fuse_segments(
         out.append([values.get(t, 0.0) for t in range(len(row))])
         weights.append(w)
     return out, weights
+
+
+def slow_anchored_credit(
+    returns: Sequence[Sequence[float]],
+    mask: Sequence[Sequence[float]],
+    anchors: Sequence[Sequence[Hashable]],
+    global_adv: Sequence[float],
+    eps: float = 1e-6,
+) -> tuple[list[list[float]], list[float]]:
+    """Reference for :func:`gyre_async.rl.fusion.anchored_credit`: each anchor group's
+    returns compared one group at a time, the known outcome added to every step."""
+    steps = [(i, t) for i in range(len(returns)) for t in range(len(returns[i])) if mask[i][t]]
+    groups: dict[Hashable, list[tuple[int, int]]] = {}
+    for i, t in steps:
+        groups.setdefault(anchors[i][t], []).append((i, t))
+    step_adv: dict[tuple[int, int], float] = {}
+    for members in groups.values():
+        xs = [float(returns[i][t]) for i, t in members]
+        if len(xs) < 2 or max(xs) == min(xs):
+            continue
+        mean = sum(xs) / len(xs)
+        std = (sum((x - mean) ** 2 for x in xs) / (len(xs) - 1)) ** 0.5
+        for (i, t), x in zip(members, xs):
+            step_adv[(i, t)] = (x - mean) / (std + eps)
+    out, weights = [], []
+    for i, row in enumerate(returns):
+        g = float(global_adv[i])
+        known = g == g
+        weights.append(1.0 if known else 0.0)
+        out.append([((g if known else 0.0) + step_adv.get((i, t), 0.0)) if mask[i][t] else 0.0
+                    for t in range(len(row))])
+    return out, weights

@@ -23,7 +23,7 @@ import torch
 from gyre_async.core.segmenter import segment_contexts, segment_sequence
 from gyre_async.policy.base import EvalOutput
 from gyre_async.rl.advantages import segment_gae
-from gyre_async.rl.fusion import CreditMode, fuse_segments
+from gyre_async.rl.fusion import CreditMode, anchored_credit, fuse_segments
 from schemas.events import Scored
 
 
@@ -82,10 +82,13 @@ class PreparedBatch:
     #: (-1: its own context, ``contexts[i]``); empty: every step reads its own context
     sequences: list[list[int]] = field(default_factory=list)
     sequence_of: list[int] = field(default_factory=list)
+    #: ``credit = "anchored"``: steps whose anchor group compared different returns
+    anchored_steps: int = 0
 
     def credit_stats(self) -> dict[str, float]:
         weights = self.fusion_weights or [0.0]
         return {"credit/fusion_weight_mean": float(np.mean(weights)),
+                "credit/anchored_steps": float(self.anchored_steps),
                 "credit/fusion_weight_max": float(np.max(weights)),
                 "credit/segments_with_outcome": float(self.global_known),
                 "credit/failed_episode_segments": float(self.failed_segments),
@@ -208,6 +211,15 @@ def values_and_logprobs(policy, contexts: list[list[int]], actions: list[list[in
     return values, logprobs
 
 
+def anchor_key(task_id: str, context: Sequence[int]) -> bytes:
+    """A step's anchor (``credit = "anchored"``): its task and its exact context tokens, so
+    two steps share one only when their players saw and did the same things so far. A
+    digest, not Python's ``hash``: replay in another process derives the same groups."""
+    digest = hashlib.blake2b(task_id.encode(), digest_size=16)
+    digest.update(np.asarray(context, dtype=np.int64).tobytes())
+    return digest.digest()
+
+
 def prepare_batch(policy, items: Sequence[BatchItem], gamma: float, lam: float,
                   global_adv: list[float] | None = None, credit: CreditMode = "gae",
                   w_max: float = 0.8, bootstrap_failed: bool = True,
@@ -272,11 +284,19 @@ def prepare_batch(policy, items: Sequence[BatchItem], gamma: float, lam: float,
     terminal = torch.tensor([it.terminal for it in items])
     adv2d, ret2d = segment_gae(reward2d, value2d, mask, boot_values, terminal, gamma, lam)
     outcome = torch.tensor(global_adv if global_adv is not None else [float("nan")] * segments)
-    fused2d, weights = fuse_segments(adv2d, mask, outcome, credit, w_max)
+    anchored_steps = 0
+    if credit == "anchored":  # returns-to-go (lam = 1) compared within anchor groups
+        _, mc2d = segment_gae(reward2d, value2d, mask, boot_values, terminal, gamma, 1.0)
+        starts = np.cumsum([0] + [it.steps for it in items])
+        anchors = [[anchor_key(it.scored.task_id, contexts[p]) for p in range(a, b)]
+                   for it, a, b in zip(items, starts[:-1], starts[1:])]
+        fused2d, weights, anchored_steps = anchored_credit(mc2d, mask, anchors, outcome)
+    else:
+        fused2d, weights = fuse_segments(adv2d, mask, outcome, credit, w_max)
     k_index, t_index = torch.tensor(seg_of_step), torch.tensor(step_in_seg)
     return PreparedBatch(contexts, actions, behaviour, rewards, values,
                          fused2d[k_index, t_index], ret2d[k_index, t_index],
                          adv2d[k_index, t_index], weights.tolist(),
                          int((~torch.isnan(outcome)).sum()),
                          sum(1 for it in items if it.scored.failure), proximal, sequences,
-                         sequence_of)
+                         sequence_of, anchored_steps)

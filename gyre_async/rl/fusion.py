@@ -36,12 +36,32 @@ still unused when the outcome becomes known, i.e. those in the batch that holds 
 trajectory's final segment. Which outcomes are "known" at an update is a function of the
 event log (the final segments in this and earlier updates' ``trained_segments``), so
 ``gyre replay learner`` re-derives the same groups with :class:`OutcomeBook`.
+
+Anchored credit (``mode="anchored"``, :func:`anchored_credit`), critic-free: a group's
+members play the same task, and where two of them reach exactly the same context (the same
+task, the same observations and actions so far: an *anchor*), their returns from there on
+compare the actions they took there (GiGPO's anchor-state groups, Feng et al. 2025)::
+
+    R[i,t]  = return from step t to the segment's end (milestone pay included), bootstrapped
+              with the critic's value at a segment boundary that is not the episode's end
+    a[i,t]  = (R[i,t] - mean_anchor R) / (std_anchor R + eps)     0 in a group of one, or
+                                                                   of equal returns
+    A[i,t]  = g_i + a[i,t]                                         g_i 0 where unknown
+
+Why: where the members' histories are still identical they took (mostly) the same action,
+and the advantages of one (context, action) pair across its anchor group sum to zero, so
+their gradients cancel exactly; what remains is the step where their actions differ, the
+one step a long game's outcome really depends on. Segment GAE cannot do that: the same
+noisy critic value gives every copy of a shared step the same sign, and unit scaling makes
+that noise as large as a real signal. Anchors form among the segments of one batch; with
+``run.mode = "sync"`` and ``sampler.group_size = sampler.num_envs`` a batch holds whole
+groups.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -49,7 +69,7 @@ import torch
 
 from gyre_async.rl.advantages import fuse_advantages, fusion_weight, group_outcome_advantage
 
-CreditMode = Literal["fusion", "gae", "outcome"]
+CreditMode = Literal["fusion", "gae", "outcome", "anchored"]
 
 
 def unit_rms(local: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
@@ -82,11 +102,39 @@ def fuse_segments(
     if mode == "outcome":
         g0 = torch.where(known, g, torch.zeros_like(g))
         return g0.unsqueeze(1) * fm, known.to(local.dtype)
-    if mode != "fusion":
+    if mode != "fusion":  # "anchored" needs the steps' anchors: anchored_credit
         raise ValueError(f"credit mode must be fusion, gae or outcome, got {mode!r}")
     scaled = unit_rms(local, mask, eps)
     w = fusion_weight(scaled, g, mask, w_max=w_max, eps=eps)
     return fuse_advantages(scaled, g, w, mask), w
+
+
+def anchored_credit(
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    anchors: Sequence[Sequence[Hashable]],
+    global_adv: torch.Tensor,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``mode="anchored"`` (see module docstring): per-step advantages [S, T], per-segment
+    weights of the outcome (1 where known, else 0), and how many steps had a comparison.
+
+    ``returns`` [S, T] returns-to-go; ``mask`` [S, T] right-padded; ``anchors[i][t]`` the
+    anchor key of segment ``i``'s step ``t`` (one per real step; equal keys: the same
+    context); ``global_adv`` [S], NaN where unknown.
+    """
+    m = mask.bool()
+    keys = [key for row in anchors for key in row]
+    if len(keys) != int(m.sum()):
+        raise ValueError(f"{int(m.sum())} real steps but {len(keys)} anchor keys")
+    step = torch.zeros_like(returns)
+    if keys:
+        step[m] = group_outcome_advantage(returns[m], keys, eps)  # row-major, as ``keys``
+    g = global_adv.to(returns.dtype)
+    known = ~torch.isnan(g)
+    g0 = torch.where(known, g, torch.zeros_like(g))
+    adv = (g0.unsqueeze(1) + step) * m.to(returns.dtype)
+    return adv, known.to(returns.dtype), int((step[m] != 0).sum())
 
 
 @dataclass

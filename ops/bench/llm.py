@@ -161,9 +161,13 @@ def credit_overrides(args: argparse.Namespace) -> dict:
     """``--credit outcome``: the GRPO-style baseline (each step's advantage is its
     trajectory's group-relative outcome; no milestone pay, no segment cuts at milestones,
     no segment GAE), run in sync mode as outcome credit needs (ops/bench/credit.py's
-    ``outcome_only``); ``fusion``: Gyre's own credit (the defaults)."""
+    ``outcome_only``); ``fusion``: Gyre's own credit (the defaults); ``anchored``: the
+    group's outcome plus step credit from anchor groups (milestone pay kept), sync mode so
+    that every batch holds whole groups."""
     if args.credit == "fusion":
         return {}
+    if args.credit == "anchored":
+        return {"run": {"mode": "sync"}, "learner": {"credit": "anchored"}}
     return {"run": {"mode": "sync"}, "learner": {"credit": "outcome"},
             "arbiter": {"milestone_reward": 0.0},
             "segmenter": {"close_on_milestone": False}}
@@ -647,9 +651,12 @@ def parser() -> argparse.ArgumentParser:
                         "steps; 64-step cap) or 'simon' (Simon Says with memory: 24 actions "
                         "listed once, one wrong action loses; 60-step cap), both with segment "
                         "contexts and 96 held-out test games; flags given explicitly win")
-    p.add_argument("--credit", default="fusion", choices=["fusion", "outcome"],
-                   help="Gyre's credit (milestones, segment GAE, outcome fusion), or the "
-                        "outcome-only GRPO-style baseline (sync mode, no milestone pay)")
+    p.add_argument("--credit", default="fusion", choices=["fusion", "anchored", "outcome"],
+                   help="Gyre's credit: fusion (milestones, segment GAE, outcome fusion) or "
+                        "anchored (the group's outcome plus each step's return-to-go compared "
+                        "among group members at the very same context; sync mode, needs "
+                        "--group-size >= 2); or the outcome-only GRPO-style baseline (sync "
+                        "mode, no milestone pay)")
     p.add_argument("--outcome-lost", type=float, default=None,
                    help="arbiter.outcome_lost: the outcome of a game the game itself lost (a "
                         "wrong move), apart from one cut at the step cap (default: the same, "

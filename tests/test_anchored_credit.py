@@ -133,3 +133,34 @@ def test_anchored_credit_without_groups_is_refused_with_the_fix(tiny):
         validate(tiny.config(learner={"credit": "anchored"}))
     validate(tiny.config(learner={"credit": "anchored"}, sampler={"group_size": 4},
                          run={"mode": "sync"}))
+
+
+def test_a_run_with_anchored_credit_compares_steps_and_replays_bit_for_bit(tiny):
+    """The tiny loop in sync mode, one group per round: the groups' games share contexts,
+    some updates compare steps at anchors, and ``gyre replay learner`` re-derives every
+    update's advantages from the log (anchors come from the segments alone)."""
+    import asyncio
+
+    from gyre_async.audit.replay import replay_learner
+    from gyre_async.bus import open_bus
+    from gyre_async.bus.reading import read_events
+    from gyre_async.runtime.loop import run_loop
+    from schemas.events import PolicyVersion
+    from schemas.topics import POLICY_VERSION
+
+    base = tiny.config()
+    cfg = tiny.config(run={"mode": "sync"}, learner={"credit": "anchored", "max_versions": 4},
+                      sampler={"group_size": base.sampler.num_envs})
+    validate(cfg)
+    asyncio.run(run_loop(cfg))
+
+    async def audit():
+        async with open_bus(f"sqlite:///{cfg.run.run_dir}/events.db") as bus:
+            updates = [e async for _, e in read_events(bus, [POLICY_VERSION])
+                       if isinstance(e, PolicyVersion) and e.reason == "update"]
+            return updates, await replay_learner(bus, cfg)
+
+    updates, report = asyncio.run(audit())
+    assert len(updates) >= 3
+    assert sum(u.metrics["credit/anchored_steps"] for u in updates) > 0
+    assert report.differences == 0 and report.replayed_outputs == len(updates), report

@@ -10,7 +10,10 @@ import statistics
 import subprocess
 import sys
 
+import pytest
 from conftest import ROOT, load_script
+
+from gyre_async.errors import ConfigError
 
 GOLD = """
 import json, sys
@@ -166,3 +169,15 @@ def test_sync_mode_with_groups_reaches_the_config_with_gyres_own_credit():
     assert cfg.run.mode == "sync" and cfg.sampler.group_size == 8 == cfg.sampler.num_envs
     assert cfg.learner.credit == "fusion" and cfg.arbiter.milestone_reward > 0
     assert bench.bench_config(p.parse_args(["--long-task"])).run.mode == "async"
+
+
+def test_anchored_credit_keeps_milestone_pay_and_runs_whole_groups():
+    bench = load_script("ops/bench/llm.py")
+    p = bench.parser()
+    cfg = bench.bench_config(p.parse_args(["--long-task", "simon", "--credit", "anchored",
+                                           "--group-size", "8"]))
+    assert cfg.learner.credit == "anchored" and cfg.run.mode == "sync"
+    assert cfg.sampler.group_size == 8 == cfg.sampler.num_envs
+    assert cfg.arbiter.milestone_reward > 0  # the step returns it compares include milestones
+    with pytest.raises(ConfigError, match="group_size >= 2"):  # alone, no group to compare
+        bench.bench_config(p.parse_args(["--long-task", "simon", "--credit", "anchored"]))

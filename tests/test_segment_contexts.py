@@ -683,3 +683,34 @@ def test_the_roomy_cache_layer_holds_what_transformers_own_layer_holds():
             assert layer.get_seq_length() == theirs.get_seq_length()
         in_place.append(held.keys.data_ptr() == buffer_k.data_ptr())
     assert in_place == [True, True, False, False, False]  # then it grew into a new buffer
+
+
+def test_the_critics_refit_reads_each_segment_once_an_epoch(tmp_path, monkeypatch):
+    """The refit's minibatches take whole one-sequence segments. Random steps instead read
+    a whole sequence for each step: 8 steps of 8 Simon Says games (~1,100 tokens each) held
+    ~15 GB of activations in one pass, where one game's 24 steps need one sequence."""
+    from collections import Counter
+
+    from gyre_async.core import learner as learner_module
+
+    store, scored, _ = scored_batch(tmp_path)
+    cfg = learner_config(tmp_path, minibatch_steps=2)
+    core = LearnerCore(cfg, tiny_policy(seed=1))
+    reads: Counter[int] = Counter()
+    real = learner_module.evaluate_steps
+
+    def spy(policy, contexts, actions, rows, sequences, sequence_of):  # the refit's passes
+        reads.update({sequence_of[r] for r in rows})
+        return real(policy, contexts, actions, rows, sequences, sequence_of)
+
+    monkeypatch.setattr(learner_module, "evaluate_steps", spy)
+    core.publish("init", CheckpointRef("x", "0" * 64, 0), "learner", {})
+    for offset, segment in enumerate(scored):
+        assert core.add(segment, (0, offset)) is None
+    arrays = store.read_many(core.buffered_addresses())
+    for item in arrays:  # episodes cut at the tiny game's cap: read them as ended, so the
+        item["terminal"][:] = True  # refit has complete returns to fit
+    core.attach_arrays(arrays)
+    result = core.update()
+    assert isinstance(result, TrainResult) and reads, "the refit did not run"
+    assert max(reads.values()) == cfg.learner.value_refit_epochs  # once an epoch, each

@@ -38,6 +38,8 @@ from gyre_async.core.learner_batch import (
     PreparedBatch,
     evaluate_steps,
     prepare_batch,
+    read_units,
+    unit_minibatches,
 )
 from gyre_async.core.learner_dp import AveragedSteps, DataParallel
 from gyre_async.core.learner_ppo import PpoEpochs
@@ -409,10 +411,21 @@ class LearnerCore:
             return evaluate_steps(self.policy, prep.contexts, prep.actions,
                                   [keep[i] for i in rows], prep.sequences, prep.sequence_of)
 
+        minibatches = None
+        if prep.sequences:  # whole segments a minibatch: each sequence read once, not 8 apart
+            position = {row: k for k, row in enumerate(keep)}
+            units = [[position[row] for row in unit] for unit in read_units(
+                keep, prep.contexts, prep.actions, prep.sequence_of)[0]]
+            size = self.cfg.learner.minibatch_steps
+
+            def minibatches(gen: torch.Generator) -> list[list[int]]:
+                return unit_minibatches(units, size, gen)
+
         return self.critic.refit(self.policy, optimizer, [prep.contexts[i] for i in keep],
                                  [prep.actions[i] for i in keep],
                                  torch.tensor([flat[i] for i in keep]),
-                                 self.cfg.learner.max_grad_norm, evaluate, critic_only)
+                                 self.cfg.learner.max_grad_norm, evaluate, critic_only,
+                                 minibatches)
 
     def take_critic_resets(self) -> list[Divergence]:
         """Critic resets since the last call, to announce once each (readings made finite:

@@ -187,6 +187,21 @@ def read_units(rows: Sequence[int], contexts: list[list[int]], actions: list[lis
     return units, [max(len(contexts[i]) + len(actions[i]) for i in unit) for unit in units]
 
 
+def unit_minibatches(units: Sequence[list[int]], size: int,
+                     gen: torch.Generator) -> list[list[int]]:
+    """Whole ``units`` (a one-sequence segment's steps, or one step) in a fresh random
+    order, until a minibatch holds ``size`` steps. Why whole: a pass reads a step's whole
+    sequence up to it, so ``size`` steps drawn at random from a batch of long segments would
+    read ``size`` whole sequences for one step each (8 whole Simon Says games, ~15 GB of
+    activations in one pass, where one game's 24 steps need one)."""
+    out: list[list[int]] = [[]]
+    for unit in torch.randperm(len(units), generator=gen).tolist():
+        if len(out[-1]) >= size:
+            out.append([])
+        out[-1] += units[unit]
+    return out
+
+
 def values_and_logprobs(policy, contexts: list[list[int]], actions: list[list[int]],
                         chunk: int = 1024, sequences: Sequence[list[int]] = (),
                         sequence_of: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor]:

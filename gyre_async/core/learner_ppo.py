@@ -22,6 +22,7 @@ from gyre_async.core.learner_batch import (
     evaluate_steps,
     pack_by_length,
     read_units,
+    unit_minibatches,
 )
 from gyre_async.core.learner_dp import DataParallel
 from gyre_async.rl.critic import critic_gradients_only
@@ -121,12 +122,7 @@ class PpoEpochs:
         if not self.prep.sequences:
             perm = torch.randperm(n, generator=gen).tolist()
             return [perm[start : start + size] for start in range(0, n, size)]
-        out: list[list[int]] = [[]]
-        for unit in torch.randperm(len(self.units), generator=gen).tolist():
-            if len(out[-1]) >= size:
-                out.append([])
-            out[-1] += self.units[unit]
-        return out
+        return unit_minibatches(self.units, size, gen)
 
     def _micro_batches(self, rows: list[int]) -> list[list[int]]:
         """``rows`` in forward/backward passes: whole segments, longest first, up to

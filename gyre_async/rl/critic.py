@@ -221,21 +221,30 @@ class CriticGuard:
     def refit(self, policy, optimizer, contexts: list[list[int]], actions: list[list[int]],
               targets: torch.Tensor, max_grad_norm: float,
               evaluate: Callable[[list[int]], Any] | None = None,
-              critic_only: bool = False) -> float:
+              critic_only: bool = False,
+              minibatches: Callable[[torch.Generator], list[list[int]]] | None = None
+              ) -> float:
         """Value-only passes on (context, complete return) pairs; returns the last loss.
         ``evaluate(rows)``: how the pairs ``rows`` are evaluated (default: each context
         apart, ``policy.evaluate``; the learner reads one-sequence segments in one pass).
-        ``critic_only``: step the value head alone (see :func:`critic_gradients_only`)."""
+        ``critic_only``: step the value head alone (see :func:`critic_gradients_only`).
+        ``minibatches(gen)``: one epoch's minibatches of pair indices (default: a random
+        permutation, ``minibatch_steps`` pairs at a time; the learner keeps a one-sequence
+        segment's steps together, ``gyre_async.core.learner_batch.unit_minibatches``)."""
         if evaluate is None:
             def evaluate(rows: list[int]) -> Any:
                 return policy.evaluate([contexts[i] for i in rows], [actions[i] for i in rows])
         n = len(contexts)
         loss_value = 0.0
         gen = torch.Generator().manual_seed(self.seed + self.updates)
+        size = self.s.minibatch_steps
         for _ in range(self.s.value_refit_epochs):
-            perm = torch.randperm(n, generator=gen).tolist()
-            for start in range(0, n, self.s.minibatch_steps):
-                mb = perm[start:start + self.s.minibatch_steps]
+            if minibatches is not None:
+                batches = minibatches(gen)
+            else:
+                perm = torch.randperm(n, generator=gen).tolist()
+                batches = [perm[start:start + size] for start in range(0, n, size)]
+            for mb in batches:
                 out = evaluate(mb)
                 loss = 0.5 * ((out.values.float() - targets[mb]) ** 2).mean()
                 optimizer.zero_grad()

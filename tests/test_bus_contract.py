@@ -156,3 +156,35 @@ def test_embedded_log_shared_by_three_processes(tmp_path):
     pairs = list(zip(lines[::2], map(int, lines[1::2])))
     assert len(pairs) == 2 * n
     assert set(pairs) == {(name, i) for name in ("alpha", "beta") for i in range(n)}
+
+
+class LockedAtFirst:
+    """A connection that answers "database is locked" ``times`` times, as SQLite can while
+    another process switches the same new log to WAL (a real race is not reproducible on
+    demand; ``test_embedded_log_shared_by_three_processes`` meets it now and then)."""
+
+    def __init__(self, times: int, message: str = "database is locked"):
+        self.times, self.message, self.calls = times, message, 0
+
+    def execute(self, sql: str) -> str:
+        self.calls += 1
+        if self.calls <= self.times:
+            import sqlite3
+            raise sqlite3.OperationalError(self.message)
+        return sql
+
+
+def test_opening_a_log_waits_out_a_lock_and_raises_anything_else():
+    import sqlite3
+
+    from gyre_async.bus.embedded import _execute_while_locked
+
+    conn = LockedAtFirst(3)
+    assert _execute_while_locked(conn, "PRAGMA journal_mode=WAL", 5.0) == "PRAGMA journal_mode=WAL"
+    assert conn.calls == 4
+    with pytest.raises(sqlite3.OperationalError, match="locked"):  # not for ever
+        _execute_while_locked(LockedAtFirst(10**6), "PRAGMA x", 0.05)
+    other = LockedAtFirst(1, "disk I/O error")
+    with pytest.raises(sqlite3.OperationalError, match="disk I/O"):
+        _execute_while_locked(other, "PRAGMA x", 5.0)
+    assert other.calls == 1  # no retry for what waiting cannot fix

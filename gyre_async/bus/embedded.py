@@ -56,11 +56,34 @@ SQLITE_PRAGMAS = (
 )
 
 
+#: how long opening a log waits for another process that holds it locked
+CONNECT_BUSY_S = 60.0
+
+
 def _connect(path: str) -> sqlite3.Connection:
-    conn = sqlite3.connect(path, timeout=60.0, isolation_level=None, check_same_thread=False)
+    conn = sqlite3.connect(path, timeout=CONNECT_BUSY_S, isolation_level=None,
+                           check_same_thread=False)
     for pragma in SQLITE_PRAGMAS:
-        conn.execute(pragma)
+        _execute_while_locked(conn, pragma, CONNECT_BUSY_S)
     return conn
+
+
+def _execute_while_locked(conn: Any, sql: str, budget_s: float) -> Any:
+    """``conn.execute(sql)``, again after a short wait while SQLite answers "database is
+    locked", for at most ``budget_s``. Why: switching a fresh log to WAL takes an exclusive
+    lock, and where another process is opening or recovering the same log at that moment
+    SQLite can answer BUSY at once, without the busy timeout (seen in CI: one of three
+    processes opening one log failed to start)."""
+    deadline = time.monotonic() + budget_s
+    delay = 0.005
+    while True:
+        try:
+            return conn.execute(sql)
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() + delay > deadline:
+                raise
+            time.sleep(delay)
+            delay = min(delay * 2, 0.25)
 
 
 def _timed_call(fn: Callable[..., T], args: tuple) -> T:

@@ -153,23 +153,34 @@ def test_peer_rollout_and_update(tmp_path, tiny_model):
     assert meta["wall_s"] > 0 and not meta["over_budget"]
 
 
-def test_the_long_task_plays_with_its_own_hint(tmp_path, tiny_model):
-    """``--task cooking-long``: the game of ``llm.py --long-task`` (a CookingWorld with 24-step
-    gold paths), its hint of up to 72 valid commands listed once per game and then what
-    changed; the sequences are still Gyre's evaluator's contexts, token for token."""
+def long_task_preset(name):
+    """The game settings ``llm.py`` runs a long task with (``--long-task cooking|simon``)."""
+    llm = load_script("ops/bench/llm.py")
+    preset = llm.LONG_TASKS[{"cooking-long": "cooking", "simon-long": "simon"}[name]]
+    return {k: preset[k] for k in ("twx_game", "twx_params", "max_steps", "max_hint_actions",
+                                   "segment_hint") if k in preset}
+
+
+@pytest.mark.parametrize("task", ["cooking-long", "simon-long"])
+def test_the_long_task_plays_with_its_own_hint(tmp_path, tiny_model, task):
+    """``--task cooking-long`` / ``simon-long``: the games of ``llm.py --long-task`` (a
+    CookingWorld with 24-step gold paths) and ``--long-task simon`` (Simon Says with memory),
+    each with its hint of up to 72 valid commands listed once per game and then what changed;
+    the sequences are still Gyre's evaluator's contexts, token for token."""
     need_trl()
     peer = load_script("ops/peer/trl_grpo.py")
-    common = load_script("ops/bench/_common.py")
-    game, params, cap = peer.TASKS["cooking-long"]
-    assert {"twx_game": game, "twx_params": params, "max_steps": cap,
-            "max_hint_actions": 72} == common.LONG_TASK_GAME
+    game, params, cap = peer.TASKS[task]
+    preset = long_task_preset(task)
+    assert {"twx_game": game, "twx_params": params, "max_steps": cap, "max_hint_actions": 72,
+            "segment_hint": "changes"} == {"segment_hint": "changes", **preset}
     args = peer.parser().parse_args([
-        "--out", str(tmp_path), "--task", "cooking-long", "--model-dir", tiny_model,
+        "--out", str(tmp_path), "--task", task, "--model-dir", tiny_model,
         "--max-steps", "3", "--num-generations", "2", "--micro-batch", "2",
         "--max-updates", "1", "--train-seeds", "0", "--threads", "1"])
     assert peer.hint_settings(args) == (72, "changes")
     trainer, rollouts = peer.build(args, peer.Tally())
     assert rollouts.env_config["max_hint_actions"] == 72 and rollouts.builder.hint == "changes"
+    assert rollouts.env_config["game"] == game
     played = rollouts(["game:0", "game:0"], trainer)
     assert_sequences_are_gyre_contexts(rollouts, [0, 0], played, 3)
 
@@ -199,3 +210,23 @@ def test_the_long_task_pair_starts_both_sides_from_gyres_warm_start(tmp_path):
     assert run_f.policy.model == "smollm2" and run_f.policy.segment_hint == "full"
     with pytest.raises(SystemExit, match="one after the other"):
         bench.main(["--task", "cooking-long", "--together", "--out", str(tmp_path / "o")])
+
+
+def test_the_simon_pair_judges_trl_on_simons_games_and_warm_start(tmp_path):
+    """``peer.py --task simon-long``: Gyre's side is ``llm.py --long-task simon`` in sync
+    groups of 8; TRL's judge plays Simon Says (60-step cap, one segment per game, its hint)
+    on Gyre's version 0, and ``--trl-minutes`` sets TRL's clock."""
+    bench = load_script("ops/bench/peer.py")
+    args = bench.parser().parse_args(["--task", "simon-long", "--trl-minutes", "60"])
+    argv = bench.llm_argv(str(tmp_path / "g"), bench.task_spec("simon-long", args), args,
+                          "simon-long")
+    assert argv[argv.index("--long-task") + 1] == "simon" and args.trl_minutes == 60
+    assert argv[argv.index("--group-size") + 1] == "8"
+    warm = str(tmp_path / "warm-v0")
+    judge = bench.parser().parse_args(["--judge-trl-child", "--judge-model", warm,
+                                       "--llm-argv", *argv])
+    cfg = bench.trl_eval_config(judge)
+    assert cfg.policy.model == warm and cfg.policy.segment_hint == "changes"
+    assert cfg.task.env_config["game"] == "simonsays"
+    assert cfg.task.env_config["max_hint_actions"] == 72 and cfg.task.env_config["max_steps"] == 60
+    assert cfg.segmenter.max_segment_steps == 60 and not cfg.segmenter.close_on_milestone

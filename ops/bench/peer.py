@@ -88,7 +88,10 @@ SMOKE_TASKS = {"coin2-smoke": ("coin", "numLocations=2,includeDoors=0,numDistrac
 #: clock Gyre's online RL had, so both sides spend the same wall clock on RL from the same
 #: model. The sides then run one after the other (TRL's needs Gyre's version 0).
 WARM_STARTED = {"cooking-long": ["--long-task", "--segment-hint", "changes",
-                                 "--max-staleness", "4", "--max-segment-steps", "24"]}
+                                 "--max-staleness", "4", "--max-segment-steps", "24"],
+                # Simon Says: a whole game is one segment (the form TRL trains on too), Gyre's
+                # own credit on batches of whole groups of 8 (GRPO's batch shape)
+                "simon-long": ["--long-task", "simon", "--mode", "sync", "--group-size", "8"]}
 
 
 def task_spec(name: str, args: argparse.Namespace) -> tuple[str, str, int]:
@@ -183,9 +186,13 @@ def gyre_side(task_dir: Path, task: tuple[str, str, int], args: argparse.Namespa
 
 
 def online_minutes(run_dir: Path) -> float:
-    """Minutes of online RL a finished Gyre run had (its loop's wall clock, the warm start
-    not included)."""
-    return json.loads((run_dir / "summary.json").read_text())["wall_seconds"] / 60
+    """Minutes of online RL a Gyre run had (its loop's wall clock, the warm start not
+    included): its summary's, or for a run stopped before it wrote one, the span of its
+    event log (:func:`gyre_curve`'s ``span_s``)."""
+    summary = run_dir / "summary.json"
+    if summary.exists():
+        return json.loads(summary.read_text())["wall_seconds"] / 60
+    return asyncio.run(gyre_curve(run_dir))["span_s"] / 60
 
 
 def warm_model(run_dir: Path, task_dir: Path) -> Path:
@@ -213,6 +220,8 @@ def trl_side(task_dir: Path, task_name: str, task: tuple[str, str, int],
     if out.exists():
         raise SystemExit(f"{out} holds an unfinished TRL run: remove it to run that side again")
     game, params, cap = task
+    if args.trl_minutes:
+        minutes = args.trl_minutes
     command = [sys.executable, str(PEER), "--out", str(out),
                "--minutes", str(round(minutes, 2) if minutes else args.minutes),
                "--twx-game", game, "--twx-params", params, "--max-steps", str(cap),
@@ -444,7 +453,9 @@ async def gyre_curve(run_dir: Path) -> dict:
     for v, (ts, _) in sorted(versions.items()):
         marks.append({"version": v, "wall_s": ts - start,
                       "env_steps": sum(1 for s in stamps if s <= ts)})
-    return {"episodes": episodes, "versions": marks,
+    # the loop's clock as the log shows it: its first event to its last step or update
+    span = (max(times) - start) if times else 0.0
+    return {"episodes": episodes, "versions": marks, "env_steps": len(steps), "span_s": span,
             "trained_segments": [s for _, segs in versions.values() for s in segs],
             "store": cfg.segmenter.store or f"{run_dir}/segments.zarr",
             "epochs": cfg.learner.epochs}
@@ -533,6 +544,18 @@ def gyre_context(run_dir: Path) -> str:
     return "window (current observation only, run F)"
 
 
+def run_summary(run_dir: Path, curve: dict) -> dict:
+    """A Gyre run's ``summary.json``; for a run stopped before it wrote one (by hand, after
+    its last update), its env steps and clock from the event log, marked as such."""
+    path = run_dir / "summary.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    print(f"[peer] {run_dir} has no summary.json: env steps and seconds from its event log",
+          flush=True)
+    return {"env_steps": curve["env_steps"], "wall_seconds": curve["span_s"],
+            "from": "event log (no summary.json)"}
+
+
 def side_figures(judge: dict, env_steps: int, updates: int, seconds: float, rss: Any,
                  extra: dict) -> dict:
     n = judge.get("test_episodes") or 0
@@ -580,7 +603,7 @@ def task_result(task_name: str, task: tuple[str, str, int], args: argparse.Names
     gcurve = asyncio.run(gyre_curve(run_dir))
     train_path = run_dir.parent / "train.json"
     gtrain = json.loads(train_path.read_text()) if train_path.exists() else {}
-    summary = gtrain.get("summary") or json.loads((run_dir / "summary.json").read_text())
+    summary = gtrain.get("summary") or run_summary(run_dir, gcurve)
     gseconds = summary.get("wall_seconds") or gtrain.get("online_s", 0.0)  # the loop's own
     gyre_dev = [{**s, **next((m for m in gcurve["versions"] if m["version"] == s["version"]), {})}
                 for s in gyre_judge["selection"] if s.get("candidate")]
@@ -608,7 +631,7 @@ def task_result(task_name: str, task: tuple[str, str, int], args: argparse.Names
           "trl": {"dev": trl_judge.get("selection", []), "base": trl_judge.get("base_success")}},
          png,
          f"SmolLM2-135M-Instruct + LoRA on TextWorldExpress {game} ({params}, {cap} steps): "
-         f"Gyre vs TRL, {args.minutes:g} minutes each", args.window)
+         f"Gyre ({gseconds / 60:.0f} min) vs TRL ({tres['wall_s'] / 60:.0f} min)", args.window)
     entry: dict[str, Any] = {"gyre": gyre, "trl": trl, "png": str(png)}
     if gyre["test_success"] is not None and trl["test_success"] is not None:
         entry["gyre_minus_trl"] = round(gyre["test_success"] - trl["test_success"], 4)
@@ -626,9 +649,10 @@ def parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/peer")
     p.add_argument("--task", action="append", default=[],
-                   help="coin7 (run F's task; the default) or cooking-long (llm.py "
-                        "--long-task's: both sides start from Gyre's warm start, TRL for the "
-                        "minutes of Gyre's online RL); repeat for more")
+                   help="coin7 (run F's task; the default), cooking-long or simon-long "
+                        "(llm.py --long-task's and --long-task simon's: both sides start from "
+                        "Gyre's warm start, TRL for the minutes of Gyre's online RL unless "
+                        "--trl-minutes); repeat for more")
     p.add_argument("--minutes", type=float, default=60.0, help="each side's wall-clock budget")
     p.add_argument("--smoke", action="store_true",
                    help="the pipeline on a tiny budget: --task coin2-smoke (2 rooms, 5 "
@@ -644,6 +668,9 @@ def parser() -> argparse.ArgumentParser:
                    help="Gyre's in-loop validation games (versions 0 and final, as run F)")
     p.add_argument("--gyre-run-dir", default="", help="judge this finished Gyre run instead")
     p.add_argument("--trl-dir", default="", help="judge this finished TRL run instead")
+    p.add_argument("--trl-minutes", type=float, default=0.0,
+                   help="TRL's wall-clock budget (default: --minutes; on a warm-started task "
+                        "the minutes of Gyre's online RL)")
     p.add_argument("--trl-reward", default="outcome", choices=["outcome", "score"])
     p.add_argument("--trl-num-generations", type=int, default=8)
     p.add_argument("--trl-micro-batch", type=int, default=2)

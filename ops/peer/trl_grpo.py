@@ -76,11 +76,15 @@ TASKS = {  # name -> (game, params, step cap): the tasks ops/bench/peer.py knows
     # keeps the two equal): CookingWorld, 24-step gold paths, a 64-step cap
     "cooking-long": ("cookingworld", "numLocations=4,numIngredients=3,numDistractorItems=0,"
                                      "includeDoors=1,limitInventorySize=0", 64),
+    # ops/bench/llm.py --long-task simon (its LONG_TASK_SIMON; a test keeps the two equal):
+    # Simon Says with memory, 24 actions listed once at the start, one wrong action loses
+    "simon-long": ("simonsays", "gameLength=24,numDistractors=4,memorization=1", 60),
 }
 #: what else a named task changes: the long task's hint lists up to 72 valid commands (24
 #: leave out half of the gold commands), once per game and then what changed (a 64-step
 #: game with the whole list at every step is ~14k tokens, past SmolLM2's 8,192)
-TASK_HINTS = {"cooking-long": {"max_hint_actions": 72, "segment_hint": "changes"}}
+TASK_HINTS = {"cooking-long": {"max_hint_actions": 72, "segment_hint": "changes"},
+              "simon-long": {"max_hint_actions": 72, "segment_hint": "changes"}}
 
 
 def need_trl() -> Any:

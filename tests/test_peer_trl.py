@@ -230,3 +230,15 @@ def test_the_simon_pair_judges_trl_on_simons_games_and_warm_start(tmp_path):
     assert cfg.task.env_config["game"] == "simonsays"
     assert cfg.task.env_config["max_hint_actions"] == 72 and cfg.task.env_config["max_steps"] == 60
     assert cfg.segmenter.max_segment_steps == 60 and not cfg.segmenter.close_on_milestone
+
+
+def test_a_longer_trl_clock_adds_candidates_from_gyres_clock():
+    """``--trl-minutes`` above Gyre's clock: TRL's candidates are evenly spaced over its whole
+    run and again over the versions it had saved by Gyre's clock (the last of those
+    included), so a same-clock version can be chosen on dev games."""
+    bench = load_script("ops/bench/peer.py")
+    versions = [{"version": v, "wall_s": 100.0 * v, "over_budget": v > 30} for v in range(1, 33)]
+    whole = [v["version"] for v in bench.trl_candidates(versions, 4)]
+    assert whole == [8, 16, 24, 30]
+    both = [v["version"] for v in bench.trl_candidates(versions, 4, clock_s=1350.0)]
+    assert both == [4, 8, 12, 13, 16, 24, 30]

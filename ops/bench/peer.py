@@ -38,6 +38,12 @@ cores of their own (``taskset``; default half the machine's): the same wall cloc
 same cores for each, in half the time of one after the other. The judges, which no clock
 budgets, then run one after the other on the whole machine.
 
+``--trl-minutes`` gives TRL a longer clock than Gyre's run had (e.g. a finished Gyre run of
+26 minutes against TRL's 60): its versions are then also chosen among those saved by Gyre's
+clock, and that version's test figure is TRL's ``test_success`` (the same clock, so
+``gyre_minus_trl``), the longer run's ``full_budget_test_success`` beside it
+(``gyre_minus_trl_full_budget``).
+
 ``--smoke`` runs the whole pipeline on a tiny budget (minutes, a handful of games: figures
 that prove the plumbing, not a comparison). ``--threads N`` sets the torch threads of every
 process of both sides (on a machine shared with other work, 1 avoids thread oversubscription,
@@ -282,7 +288,11 @@ async def gyre_updates(run_dir: Path) -> list:
 
 
 def judge_trl(trl_dir: Path, task_dir: Path, task: tuple[str, str, int],
-              args: argparse.Namespace, task_name: str = "", warm: Path | None = None) -> dict:
+              args: argparse.Namespace, task_name: str = "", warm: Path | None = None,
+              same_clock_s: float = 0.0) -> dict:
+    """TRL's versions judged in a process of its own; ``same_clock_s``: TRL trained longer
+    than Gyre's run (``--trl-minutes``), so a version is also chosen among those TRL had
+    saved by Gyre's clock, and played on the test games (the same-clock figure)."""
     path = task_dir / "judge_trl.json"
     if path.exists():
         return json.loads(path.read_text())
@@ -292,6 +302,8 @@ def judge_trl(trl_dir: Path, task_dir: Path, task: tuple[str, str, int],
                str(args.test_episodes), "--candidates", str(args.candidates)]
     if warm is not None:  # TRL's adapters sit on Gyre's version 0, merged
         command += ["--judge-model", str(warm)]
+    if same_clock_s:
+        command += ["--same-clock-s", str(round(same_clock_s, 1))]
     command += ["--llm-argv", *llm_argv(str(task_dir / "trl-judge"), task, args, task_name)]
     run_child(command, args, task_dir / "judge_trl.log", "judge")
     return json.loads(path.read_text())
@@ -339,12 +351,21 @@ def is_base(folder: str | Path) -> bool:
     return all(not bool(t.any()) for k, t in tensors.items() if "lora_B" in k)
 
 
-def trl_candidates(versions: list[dict], wanted: int) -> list[dict]:
+def trl_candidates(versions: list[dict], wanted: int, clock_s: float = 0.0) -> list[dict]:
+    """About ``wanted`` evenly spaced versions within the budget, and the last; with
+    ``clock_s`` as many again among the versions saved by then (and the last of those)."""
     counted = [v for v in versions if not v["over_budget"]]
     every = spread(len(counted), wanted)
     picked = [v for v in counted if v["version"] % every == 0]
     if counted and counted[-1] not in picked:
         picked.append(counted[-1])
+    if clock_s:
+        early = [v for v in counted if v["wall_s"] <= clock_s]
+        more = trl_candidates([{**v, "over_budget": False} for v in early], wanted)
+        seen = {v["version"] for v in picked}
+        picked = sorted(picked + [v for v in early if v["version"] in
+                                  {m["version"] for m in more} - seen],
+                        key=lambda v: v["version"])
     return picked
 
 
@@ -359,7 +380,7 @@ async def judge_trl_async(args: argparse.Namespace) -> dict:
     cfg = trl_eval_config(args)
     peer = peer_module()
     versions = peer.versions_of(args.trl_dir)
-    candidates = trl_candidates(versions, args.candidates)
+    candidates = trl_candidates(versions, args.candidates, args.same_clock_s)
     dev = llm_heldout.split_config(cfg, "dev", args.dev_episodes, "torch")
     test = llm_heldout.split_config(cfg, "test", args.test_episodes, "torch")
     tokenizer = build_tokenizer(cfg)
@@ -395,13 +416,25 @@ async def judge_trl_async(args: argparse.Namespace) -> dict:
     if candidates:
         best = llm_heldout.choose(selection)
         by_version = {v["version"]: v for v in candidates}
-        for key, v in (("best", by_version[best["version"]]), ("final", candidates[-1])):
-            if key == "final" and v["version"] == best["version"]:
-                figures["final"] = figures["best"]
+        wanted = [("best", by_version[best["version"]]), ("final", candidates[-1])]
+        early = [s for s in selection if s["wall_s"] <= args.same_clock_s]
+        if args.same_clock_s and early:  # chosen among what TRL had by Gyre's clock
+            wanted.append(("same_clock", by_version[llm_heldout.choose(early)["version"]]))
+        played_as: dict[int, str] = {}
+        for key, v in wanted:
+            if v["version"] in played_as:
+                figures[key] = figures[played_as[v["version"]]]
                 continue
             await asyncio.to_thread(load_trl_adapter, holder, v["path"], v["version"])
             figures[key] = await play(test, holder, builder,
                                       f"TRL {key}: version {v['version']}, test games")
+            played_as[v["version"]] = key
+        if "same_clock" in figures:
+            low, high = wilson(figures["same_clock"]["wins"], args.test_episodes)
+            result.update(same_clock_s=args.same_clock_s,
+                          same_clock_success=figures["same_clock"]["success"],
+                          same_clock_ci_low=round(low, 4), same_clock_ci_high=round(high, 4),
+                          same_clock_version=figures["same_clock"]["version"])
     if "best" in figures:  # chosen on dev games, or every version the base
         low, high = wilson(figures["best"]["wins"], args.test_episodes)
         result.update(best_success=figures["best"]["success"], best_success_ci_low=round(low, 4),
@@ -598,7 +631,9 @@ def task_result(task_name: str, task: tuple[str, str, int], args: argparse.Names
         run_dir, trl_dir = both(args, lambda: gyre_side(task_dir, task, args, task_name),
                                 lambda: trl_side(task_dir, task_name, task, args))
     gyre_judge = judge_gyre(run_dir, task_dir, args)  # not timed: one after the other
-    trl_judge = judge_trl(trl_dir, task_dir, task, args, task_name, warm)
+    gyre_clock = online_minutes(run_dir) * 60 if warm is not None else args.minutes * 60
+    same_clock = gyre_clock if args.trl_minutes * 60 > gyre_clock + 1 else 0.0
+    trl_judge = judge_trl(trl_dir, task_dir, task, args, task_name, warm, same_clock)
 
     gcurve = asyncio.run(gyre_curve(run_dir))
     train_path = run_dir.parent / "train.json"
@@ -633,6 +668,19 @@ def task_result(task_name: str, task: tuple[str, str, int], args: argparse.Names
          f"SmolLM2-135M-Instruct + LoRA on TextWorldExpress {game} ({params}, {cap} steps): "
          f"Gyre ({gseconds / 60:.0f} min) vs TRL ({tres['wall_s'] / 60:.0f} min)", args.window)
     entry: dict[str, Any] = {"gyre": gyre, "trl": trl, "png": str(png)}
+    if trl_judge.get("same_clock_s"):  # TRL trained longer: its version by Gyre's clock too
+        trl["full_budget_test_success"] = trl["test_success"]
+        n = trl["test_episodes"]
+        trl.update(test_success=trl_judge["same_clock_success"],
+                   ci_low=trl_judge["same_clock_ci_low"], ci_high=trl_judge["same_clock_ci_high"],
+                   chosen_version=trl_judge["same_clock_version"],
+                   same_clock_s=trl_judge["same_clock_s"], test_episodes=n)
+        early = [v for v in tcurve["versions"] if v["wall_s"] <= trl_judge["same_clock_s"]]
+        trl.update(same_clock_env_steps=early[-1]["env_steps"] if early else 0,
+                   same_clock_updates=early[-1]["version"] if early else 0)
+        if gyre["test_success"] is not None:
+            entry["gyre_minus_trl_full_budget"] = round(
+                gyre["test_success"] - trl["full_budget_test_success"], 4)
     if gyre["test_success"] is not None and trl["test_success"] is not None:
         entry["gyre_minus_trl"] = round(gyre["test_success"] - trl["test_success"], 4)
     else:
@@ -689,6 +737,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--judge-trl-child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--task-dir", default="", help=argparse.SUPPRESS)
     p.add_argument("--judge-model", default="", help=argparse.SUPPRESS)
+    p.add_argument("--same-clock-s", type=float, default=0.0, help=argparse.SUPPRESS)
     p.add_argument("--llm-argv", nargs=argparse.REMAINDER, default=[], help=argparse.SUPPRESS)
     return p
 

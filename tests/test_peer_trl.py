@@ -230,6 +230,17 @@ def test_the_simon_pair_judges_trl_on_simons_games_and_warm_start(tmp_path):
     assert cfg.task.env_config["game"] == "simonsays"
     assert cfg.task.env_config["max_hint_actions"] == 72 and cfg.task.env_config["max_steps"] == 60
     assert cfg.segmenter.max_segment_steps == 60 and not cfg.segmenter.close_on_milestone
+    # the judge reads TRL's versions through the contexts TRL's rollouts built
+    peer = load_script("ops/peer/trl_grpo.py")
+    from gyre_async.policy.hf_policy import HFTokenizer
+    from gyre_async.policy.smollm2 import ensure_converted
+
+    tokenizer = HFTokenizer.from_pretrained(str(ensure_converted()))
+    judged = bench.trl_judge_builder(cfg, tokenizer)
+    rollouts = peer.GameRollouts(tokenizer, {"game": "simonsays", "max_steps": 60}, peer.Tally(),
+                                 hint="changes")
+    for field in ("hint", "mode", "max_tokens", "history_turns", "summary_max_tokens"):
+        assert getattr(judged, field) == getattr(rollouts.builder, field), field
 
 
 def test_a_longer_trl_clock_adds_candidates_from_gyres_clock():

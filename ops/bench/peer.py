@@ -369,13 +369,21 @@ def trl_candidates(versions: list[dict], wanted: int, clock_s: float = 0.0) -> l
     return picked
 
 
+def trl_judge_builder(cfg: Any, tokenizer: Any) -> Any:
+    """The judge's contexts for TRL's versions: the judging config's own builder (segment
+    contexts, the task's hint: a long task lists its valid commands once and then what
+    changed, as TRL's rollouts did), never a default one."""
+    from gyre_async.compose import build_context_builder
+
+    return build_context_builder(cfg, tokenizer)
+
+
 async def judge_trl_async(args: argparse.Namespace) -> dict:
     import llm_heldout
 
     from gyre_async.compose import build_tokenizer
     from gyre_async.core.evaluation import validation_policy
     from gyre_async.core.rollout import PolicyHolder
-    from gyre_async.policy.context import ContextBuilder
 
     cfg = trl_eval_config(args)
     peer = peer_module()
@@ -385,7 +393,7 @@ async def judge_trl_async(args: argparse.Namespace) -> dict:
     test = llm_heldout.split_config(cfg, "test", args.test_episodes, "torch")
     tokenizer = build_tokenizer(cfg)
     holder = PolicyHolder(validation_policy(dev, tokenizer), 0)
-    builder = ContextBuilder(tokenizer, cfg.policy.context_tokens, 0, mode="segment")
+    builder = trl_judge_builder(cfg, tokenizer)
     play = llm_heldout.play
     figures: dict[str, Any] = {}
     if candidates:  # the base in TRL's context form (nothing to read it against without)

@@ -499,12 +499,15 @@ async def gyre_curve(run_dir: Path) -> dict:
     return {"episodes": episodes, "versions": marks, "env_steps": len(steps), "span_s": span,
             "trained_segments": [s for _, segs in versions.values() for s in segs],
             "store": cfg.segmenter.store or f"{run_dir}/segments.zarr",
-            "epochs": cfg.learner.epochs}
+            "epochs": cfg.learner.epochs, "segment_contexts": cfg.policy.context == "segment"}
 
 
 def gyre_tokens(curve: dict) -> dict:
-    """Tokens Gyre's learner trained on: context + action tokens of every step of the
-    segments its updates name, times its epochs (and the action tokens alone)."""
+    """Tokens Gyre's learner trained on, times its epochs (and the action tokens alone):
+    with window contexts the context + action tokens of every step of the segments its
+    updates name; with segment contexts each segment's one sequence (its last step's
+    context and action), which the learner reads once a pass, every step's context being a
+    prefix of the next one's."""
     from gyre_async.storage.segments import SegmentStore
 
     store = SegmentStore(curve["store"], durable=False)
@@ -514,7 +517,10 @@ def gyre_tokens(curve: dict) -> dict:
             arrays = store.read(store.address(sid))
         except (KeyError, FileNotFoundError, ValueError):
             continue
-        total += int(arrays["context_len"].sum()) + int(arrays["action_mask"].sum())
+        if curve.get("segment_contexts"):
+            total += int(arrays["context_len"][-1]) + int(arrays["action_mask"][-1].sum())
+        else:
+            total += int(arrays["context_len"].sum()) + int(arrays["action_mask"].sum())
         action += int(arrays["action_mask"].sum())
     return {"tokens_trained": total * curve["epochs"], "action_tokens_trained":
             action * curve["epochs"]}

@@ -185,6 +185,12 @@ def test_the_long_task_plays_with_its_own_hint(tmp_path, tiny_model, task):
     assert_sequences_are_gyre_contexts(rollouts, [0, 0], played, 3)
 
 
+def warm_judge_config(bench, warm, argv):
+    """The config TRL's judge plays with, its adapters on ``warm`` (Gyre's version 0)."""
+    return bench.trl_eval_config(bench.parser().parse_args(
+        ["--judge-trl-child", "--judge-model", warm, "--llm-argv", *argv]))
+
+
 def test_the_long_task_pair_starts_both_sides_from_gyres_warm_start(tmp_path):
     """``peer.py --task cooking-long``: Gyre's side is ``llm.py --long-task`` (its warm start
     is version 0, not skipped as run F's is), TRL's judge plays TRL's adapters on Gyre's
@@ -198,9 +204,7 @@ def test_the_long_task_pair_starts_both_sides_from_gyres_warm_start(tmp_path):
     coin = bench.llm_argv(str(tmp_path / "c"), bench.task_spec("coin7", args), args, "coin7")
     assert coin[coin.index("--warmstart-demos") + 1] == "0"
     warm = str(tmp_path / "warm-v0")
-    judge = bench.parser().parse_args(["--judge-trl-child", "--judge-model", warm,
-                                       "--llm-argv", *argv])
-    cfg = bench.trl_eval_config(judge)
+    cfg = warm_judge_config(bench, warm, argv)
     assert cfg.policy.model == warm and cfg.policy.segment_hint == "changes"
     assert cfg.task.env_config["max_hint_actions"] == 72
     assert cfg.policy.context == "segment" and cfg.policy.context_tokens == 8192
@@ -223,9 +227,7 @@ def test_the_simon_pair_judges_trl_on_simons_games_and_warm_start(tmp_path):
     assert argv[argv.index("--long-task") + 1] == "simon" and args.trl_minutes == 60
     assert argv[argv.index("--group-size") + 1] == "8"
     warm = str(tmp_path / "warm-v0")
-    judge = bench.parser().parse_args(["--judge-trl-child", "--judge-model", warm,
-                                       "--llm-argv", *argv])
-    cfg = bench.trl_eval_config(judge)
+    cfg = warm_judge_config(bench, warm, argv)
     assert cfg.policy.model == warm and cfg.policy.segment_hint == "changes"
     assert cfg.task.env_config["game"] == "simonsays"
     assert cfg.task.env_config["max_hint_actions"] == 72 and cfg.task.env_config["max_steps"] == 60

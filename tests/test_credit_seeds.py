@@ -24,6 +24,8 @@ def judging(start_wins: int | None, base_wins: int, best_wins: int, version: int
         test["start"] = {"wins": start_wins, "success": start_wins / n, "version": 0}
     return {"base_success": base_wins / n, "best_success": best_wins / n,
             "start_success": None if start_wins is None else start_wins / n,
+            "improvement": round((best_wins - base_wins) / n, 4),
+            "best_minus_start": None if start_wins is None else round((best_wins - start_wins) / n, 4),
             "best_version": version, "test_episodes": n, "dev_episodes": 32,
             "selection": [{"version": v, "success": s} for v, s in dev], "test": test}
 

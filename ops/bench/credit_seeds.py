@@ -43,11 +43,11 @@ def parse_run(text: str) -> tuple[str, str, str]:
 
 
 def gain(heldout: dict) -> float:
-    """What RL added: the chosen version's test success minus its start's (the warm start's
-    when version 0 is one, else the base model's), on the same test games."""
-    start = heldout.get("start_success")
-    return round(heldout["best_success"] - (heldout["base_success"] if start is None
-                                             else start), 4)
+    """What RL added, as ``llm_heldout.py`` measured it: the chosen version's test success
+    minus its start's (``best_minus_start``, when version 0 is a warm start), else minus the
+    base model's (``improvement``), on the same test games."""
+    start = heldout.get("best_minus_start")
+    return heldout["improvement"] if start is None else start
 
 
 def summarise(runs: list[tuple[str, str, dict]]) -> dict:

@@ -517,7 +517,7 @@ def gyre_tokens(curve: dict) -> dict:
             arrays = store.read(store.address(sid))
         except (KeyError, FileNotFoundError, ValueError):
             continue
-        if curve.get("segment_contexts"):
+        if curve["segment_contexts"]:
             total += int(arrays["context_len"][-1]) + int(arrays["action_mask"][-1].sum())
         else:
             total += int(arrays["context_len"].sum()) + int(arrays["action_mask"].sum())

@@ -16,7 +16,7 @@ from test_critic import config
 
 from gyre_async.compose import build_policy
 from gyre_async.core.learner_batch import PreparedBatch
-from gyre_async.core.learner_ppo import PpoEpochs
+from gyre_async.core.learner_ppo import PpoEpochs, normalised_advantages, without_ranking
 from gyre_async.policy.base import SamplingParams
 from gyre_async.rl.critic import CriticGuard, value_head
 
@@ -73,6 +73,33 @@ def test_a_batch_without_advantage_steps_the_value_head_only(tmp_path):
     assert readings["losses/value_loss"] > 0.0
     assert not moved(before_trunk, learner.trunk)
     assert moved(before_head, learner.head)
+
+
+def test_a_batch_of_equal_advantages_steps_the_value_head_only(tmp_path):
+    """Fusion's seed-2 collapse on Simon Says: eight plays all lost at the first step, each
+    from the same context, so segment GAE gave every step the same advantage (-0.3), which
+    centring makes 0; the value loss (3.8) was then the whole step through the LoRA."""
+    learner = Learner(tmp_path)
+    learner.update([1.0, -1.0] * 4)
+    before_trunk, before_head = snapshot(learner.trunk), snapshot(learner.head)
+    readings = learner.update([-0.3] * 8)
+    assert readings["losses/policy_step_skipped"] == 1.0
+    assert readings["losses/policy_loss"] == 0.0
+    assert not moved(before_trunk, learner.trunk)
+    assert moved(before_head, learner.head)
+
+
+def test_equal_advantages_normalise_to_exact_zeros():
+    # 0.1 summed eight times is not 0.8 in floats: the mean leaves crumbs that a near-zero
+    # spread would blow up to full size
+    adv = torch.full((8,), 0.1)
+    assert torch.equal(normalised_advantages(adv), torch.zeros(8))
+    assert without_ranking(adv) and without_ranking(torch.zeros(3))
+    assert not without_ranking(torch.tensor([0.1, 0.1 + 1e-3]))
+    assert not without_ranking(torch.tensor([0.5]))  # one advantage is a signal on its own
+    assert not without_ranking(torch.tensor([]))
+    ranked = normalised_advantages(torch.tensor([1.0, 2.0, 3.0]))
+    assert torch.allclose(ranked, torch.tensor([-1.0, 0.0, 1.0]))
 
 
 def test_a_batch_with_advantage_still_steps_the_policy(tmp_path):

@@ -44,11 +44,30 @@ def kl_to_base(logprobs: torch.Tensor, base: torch.Tensor, mask: torch.Tensor) -
     return ((torch.exp(r) - r - 1.0) * mask).sum()
 
 
+def without_ranking(adv: torch.Tensor, rel_tol: float = 1e-6) -> bool:
+    """True when ``adv`` ranks nothing: empty of signal because every advantage is 0, or
+    (two or more) because they are all equal, which centring turns into exact zeros.
+
+    Equal advantages are what segment GAE gives a batch of identical one-step plays (eight
+    games of Simon Says all lost at the first step, each from the same context): centred,
+    the policy loss is 0, but float rounding of the mean would leave crumbs that division
+    by a near-zero spread blows up to full size."""
+    if not len(adv):
+        return False
+    if bool((adv == 0).all()):
+        return True
+    spread = float(adv.max() - adv.min())
+    return len(adv) > 1 and spread <= rel_tol * max(1.0, float(adv.abs().max()))
+
+
 def normalised_advantages(adv: torch.Tensor, std_floor: float = 0.0) -> torch.Tensor:
     """Centred and divided by their spread, or by ``std_floor`` when the spread is smaller
-    (``learner.advantage_std_floor``); one advantage is left as it is."""
+    (``learner.advantage_std_floor``); one advantage is left as it is; advantages that rank
+    nothing (:func:`without_ranking`) become exact zeros."""
     if len(adv) <= 1:
         return adv
+    if without_ranking(adv):
+        return torch.zeros_like(adv)
     return (adv - adv.mean()) / (adv.std().clamp(min=std_floor) + 1e-8)
 
 
@@ -79,9 +98,11 @@ class PpoEpochs:
                          else self._proximal_logprobs(width))
         self.base = self._base_logprobs(width) if settings.kl_to_base > 0 else None
         check_batch_finite({}, {"proximal_logprobs": self.proximal}, ids)
-        #: every advantage 0 (outcome credit where each group's episodes ended alike): no
-        #: policy signal, so only the critic steps (``critic_gradients_only``)
-        self.signal_free = bool(n) and bool((adv == 0).all())
+        #: every advantage 0 (outcome credit where each group's episodes ended alike) or all
+        #: equal (local credit on identical plays): no policy signal, so only the critic
+        #: steps (``critic_gradients_only``); the value loss's gradient through the shared
+        #: weights would otherwise be the whole step (fusion's Simon Says collapse, seed 2)
+        self.signal_free = without_ranking(adv)
 
     def run(self) -> dict[str, float]:
         """Decoupled PPO epochs (see ``gyre_async.rl.ppo``); the mean of each reading.

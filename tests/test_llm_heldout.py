@@ -154,6 +154,21 @@ def test_env_params_keep_the_equals_signs_of_their_values(heldout):
         heldout.env_overrides(["numLocations"])
 
 
+def test_concurrency_caps_the_games_at_once_and_keys_the_play(heldout):
+    """Fewer games at once hold fewer contexts' keys/values; a sampled play's draws depend on
+    which games share a batch, so a capped play is a play of its own."""
+    cfg = load_config(ROOT / "ops" / "configs" / "twx.toml")
+    own = heldout.split_config(cfg, "test", 8, "torch")
+    capped = heldout.split_config(cfg, "test", 8, "torch", None, 3)
+    assert own.evaluator.concurrency == cfg.evaluator.concurrency
+    assert capped.evaluator.concurrency == 3
+    assert capped.evaluator.seeds == own.evaluator.seeds
+    assert heldout.PlayBook.key(capped, "torch", "base") != heldout.PlayBook.key(own, "torch",
+                                                                                 "base")
+    with pytest.raises(SystemExit):
+        heldout.main(["--run-dir", "x", "--concurrency", "-1"])
+
+
 def test_a_play_is_kept_by_its_weights_and_game_settings(heldout, tmp_path):
     cfg = load_config(ROOT / "ops" / "configs" / "twx.toml")
     s = msgspec.structs.replace

@@ -140,12 +140,17 @@ def choose(selection: list[dict]) -> dict:
 
 
 def split_config(cfg: Config, split: str, episodes: int, engine: str,
-                 overrides: dict[str, str | int | float] | None = None) -> Config:
+                 overrides: dict[str, str | int | float] | None = None,
+                 concurrency: int = 0) -> Config:
     """The run's validation settings on ``split``; ``overrides`` change the games themselves
-    (e.g. a larger map than the run trained on: a transfer check, not the run's task)."""
-    return make_config(cfg, evaluator={"seeds": list(range(episodes)),
-                                       "env_config": {**(overrides or {}), "split": split},
-                                       "engine": "sampler" if engine == "vllm" else "learner"})
+    (e.g. a larger map than the run trained on: a transfer check, not the run's task);
+    ``concurrency`` > 0 caps the games played at once (0: the run's own setting)."""
+    evaluator: dict = {"seeds": list(range(episodes)),
+                       "env_config": {**(overrides or {}), "split": split},
+                       "engine": "sampler" if engine == "vllm" else "learner"}
+    if concurrency:
+        evaluator["concurrency"] = concurrency
+    return make_config(cfg, evaluator=evaluator)
 
 
 def vllm_judged(cfg: Config, engine: str) -> Config:
@@ -258,8 +263,9 @@ async def heldout(args: argparse.Namespace) -> dict:
     if not selection_set:
         raise SystemExit("the run published no update: nothing to select from")
     overrides = env_overrides(args.env_param)
-    dev = split_config(cfg, "dev", args.dev_episodes, args.engine, overrides)
-    test = split_config(cfg, "test", args.test_episodes, args.engine, overrides)
+    dev = split_config(cfg, "dev", args.dev_episodes, args.engine, overrides, args.concurrency)
+    test = split_config(cfg, "test", args.test_episodes, args.engine, overrides,
+                        args.concurrency)
     tokenizer = build_tokenizer(cfg)
     holder = PolicyHolder(validation_policy(dev, tokenizer), 0)
     builder = build_context_builder(cfg, tokenizer)
@@ -340,6 +346,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="change the evaluation games (repeatable), e.g. "
                         "params=numLocations=9,includeDoors=0,numDistractorItems=0 to check "
                         "transfer to a larger map than the run trained on")
+    p.add_argument("--concurrency", type=int, default=0, metavar="N",
+                   help="games played at once (0: the run's evaluator.concurrency, all of "
+                        "them up to the 64 sessions the torch policy keeps). With segment "
+                        "contexts each game playing holds its whole context's keys/values "
+                        "(SmolLM2-135M: 46 KB per token), so long games at 64 at once "
+                        "held 16 GB here: 16 at once hold a quarter of that")
     p.add_argument("--png", default="", help="the plot (default: heldout.png beside the run)")
     p.add_argument("--plays", default="",
                    help="finished plays kept here and reused (default: heldout-plays.jsonl "
@@ -348,6 +360,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.every < 1 or args.dev_episodes < 1 or args.test_episodes < 1:
         p.error("--every, --dev-episodes and --test-episodes must be at least 1")
+    if args.concurrency < 0:
+        p.error("--concurrency must be 0 (the run's own setting) or a number of games")
     print_result(asyncio.run(heldout(args)), args.out or None)
     return 0
 

@@ -1,4 +1,4 @@
-"""A reader of a run's log never makes one: ``gyre inspect``/``replay``/``topics``/``archive``
+"""A reader of a run's log never makes one: ``gyre inspect``/``replay``/``topics``/``archive``/``tail``
 and ``open_bus(..., reader=True)`` on an embedded log that does not exist fail with an error
 that names the path, and leave nothing on disk (an empty ``events.db`` left where a run is
 about to start makes that run refuse its directory)."""
@@ -41,6 +41,7 @@ def test_open_bus_as_reader_reads_an_existing_log(tmp_path):
     ["replay", "learner"],
     ["topics"],
     ["archive", "--out", "ARCHIVE"],
+    ["tail", "policy-version"],
 ])
 def test_cli_readers_on_a_missing_run_fail_clearly_and_create_nothing(tmp_path, capsys, argv):
     run_dir = tmp_path / "run"
@@ -50,3 +51,20 @@ def test_cli_readers_on_a_missing_run_fail_clearly_and_create_nothing(tmp_path, 
     err = capsys.readouterr().err
     assert "no event log at" in err and str(run_dir) in err
     assert not os.path.exists(run_dir)
+
+
+def test_tail_follow_waits_for_the_run_and_creates_nothing(tmp_path, capsys):
+    from argparse import Namespace
+
+    from gyre_async.cli.tail import tail
+
+    path = tmp_path / "run" / "events.db"
+    args = Namespace(topic="policy-version", start="0", follow=True, max=0)
+
+    async def waited() -> None:
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(tail(f"sqlite:///{path}", args), 1.5)
+
+    asyncio.run(waited())
+    assert "waiting for the run to create" in capsys.readouterr().err
+    assert not path.parent.exists()

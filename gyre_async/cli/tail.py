@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import datetime as dt
 import json
+import os
 import sys
 
-from gyre_async.bus import open_bus
+from gyre_async.bus import NoEventLog, open_bus
+from gyre_async.bus.base import Bus
 from gyre_async.bus.reading import read_back_limit
 from gyre_async.bus.secrets import redact
 from schemas import DecodeError, decode, to_builtins
@@ -35,6 +38,23 @@ def run(args: argparse.Namespace) -> int:
 
     url = bus_url(config_of(args), args.bus)
     return run_main(lambda: tail(url, args))
+
+
+async def existing_bus(url: str, follow: bool) -> Bus:
+    """The bus to read, never a new embedded log: a tail of a run that has not started yet
+    fails with the path (with ``--follow`` it waits for the run to make its log). An empty
+    ``events.db`` left behind would make that run refuse its directory."""
+    from gyre_async.bus.embedded import EmbeddedBus
+
+    bus = open_bus(url)
+    if isinstance(bus, EmbeddedBus) and not os.path.isfile(bus.path):
+        if not follow:
+            raise NoEventLog(f"no event log at {bus.path}: check the run directory (or --bus); "
+                             "a reader never creates one (--follow waits for the run)")
+        print(f"gyre tail: waiting for the run to create {bus.path}", file=sys.stderr)
+        while not os.path.isfile(bus.path):
+            await asyncio.sleep(0.5)
+    return bus
 
 
 def parse_start(start: str) -> tuple[int | None, float | None]:
@@ -66,7 +86,7 @@ async def tail(url: str, args) -> int:
     offset, timestamp = parse_start(args.start)
     out = sys.stdout
     count = 0
-    async with open_bus(url) as bus:
+    async with await existing_bus(url, args.follow) as bus:
         known = {t.name: t for t in await bus.topics()}
         if args.topic not in known:
             raise SystemExit(f"no topic {args.topic!r} on {redact(url)}; topics: {', '.join(known)}")

@@ -381,6 +381,13 @@ class LearnerConfig(Strict):
     fusion_max_weight: float = 0.8
     """Largest weight the global outcome advantage can take in a segment (w_max < 1 keeps
     some per-step credit assignment in every segment)."""
+    value_trunk_gradient: bool = True
+    """The value loss's gradient reaches the weights the critic shares with the policy (the
+    trunk; an LLM's LoRA adapters). False: the value head learns on the policy's features
+    detached (a linear probe of them), so the critic's errors never move the policy. On
+    Simon Says with milestone pay, batches of plays lost early gave value losses of 3.4-3.8
+    whose gradient (norm 58-64, clipped to 1 together with the policy's) was nearly the
+    whole step through the shared LoRA; the entropy rose 3-4x after each."""
     value_clip: float = 0.5
     """PPO value clip: the critic moves at most this far from the values the advantages
     were computed with, per update (0: plain squared error)."""

@@ -144,6 +144,8 @@ class LearnerCore:
                  dp: DataParallel | None = None):
         self.cfg = cfg
         self.policy = policy
+        if not cfg.learner.value_trunk_gradient:  # the critic trains its head alone
+            policy.critic_detached = True
         self.dp = dp  # a data-parallel group (gyre_async.core.learner_dp), None: alone
         self.optimizer = torch.optim.Adam(policy.parameters(), lr=cfg.learner.learning_rate)
         self.buffer: list[Buffered] = []

@@ -225,6 +225,10 @@ class CausalLMPolicy(Policy):
     #: sessions whose keys/values are kept at most (least recently used dropped first);
     #: the sampler forgets each at its episode's end, so live ones are its environments
     max_sessions = 64
+    #: the value head reads the features detached (``learner.value_trunk_gradient = false``,
+    #: set by the learner): the value loss then trains the head alone, never the weights it
+    #: shares with the policy
+    critic_detached = False
     #: what one more forward pass costs beyond its tokens, in token columns (the weights are
     #: read once more): the price :meth:`_prefill_apart` weighs against the padding it saves
     pass_overhead_tokens = 32
@@ -299,6 +303,11 @@ class CausalLMPolicy(Policy):
 
     @abc.abstractmethod
     def _value(self, h_last: torch.Tensor) -> torch.Tensor: ...
+
+    def _critic(self, h_last: torch.Tensor) -> torch.Tensor:
+        """The values the learner trains on: through the shared features, or (``critic_detached``)
+        on a detached copy of them."""
+        return self._value(h_last.detach() if self.critic_detached else h_last)
 
     def _logp(self, logits: torch.Tensor) -> torch.Tensor:
         return torch.log_softmax(logits.float().masked_fill(~self.allowed, float("-inf")), -1)
@@ -677,7 +686,7 @@ class CausalLMPolicy(Policy):
         with self._lock:
             hidden, _ = self._forward(torch.cat([ids, act_ids], 1).to(self.device),
                                       torch.cat([mask, act_mask], 1).to(self.device))
-            values = self._value(hidden[:, width - 1]).float().cpu()
+            values = self._critic(hidden[:, width - 1]).float().cpu()
             logp = self._logp(self._logits(hidden[:, width - 1:width - 1 + n_act])).cpu()
         # Padding slots gather <eos> (always allowed, so finite) and are then zeroed; the
         # entropy's 0 * -inf terms are written as 0 * 0 so no gradient becomes NaN.
@@ -725,7 +734,7 @@ class CausalLMPolicy(Policy):
         with self._lock:
             hidden = self._forward_right_padded(ids.to(self.device), mask.to(self.device))
             rows_d, first_d = rows.to(self.device), first.to(self.device)
-            values = self._value(hidden[rows_d, first_d]).float().cpu()
+            values = self._critic(hidden[rows_d, first_d]).float().cpu()
             picked = hidden[rows_d[:, None], columns.to(self.device)]
             logp = self._logp(self._logits(picked)).cpu()
         index = torch.where(act_mask, targets, self.tokenizer.eos_id)

@@ -202,6 +202,7 @@ def bench_config(args: argparse.Namespace) -> Config:
                  "epochs": args.epochs, "learning_rate": args.learning_rate, "max_versions": 0,
                  "kl_to_base": args.kl_to_base,
                  "advantage_std_floor": args.advantage_std_floor,
+                 "value_trunk_gradient": not args.critic_head_only,
                  "micro_steps": args.micro_steps, "entropy_coef": args.entropy_coef,
                  "micro_tokens": args.micro_tokens if args.context == "segment" else 0},
         evaluator={"every_versions": args.eval_every, "greedy": args.decoding == "greedy",
@@ -777,6 +778,10 @@ def parser() -> argparse.ArgumentParser:
                    help="learner.advantage_std_floor: divide the advantages by their spread "
                         "but by no less than this (e.g. a milestone's 0.1), so a batch with "
                         "no real signal moves the policy less")
+    p.add_argument("--critic-head-only", action="store_true",
+                   help="learner.value_trunk_gradient = false: the value loss trains the value "
+                        "head alone, on the policy's features detached, so the critic's errors "
+                        "never move the LoRA the policy acts with")
     p.add_argument("--model", default="smollm2",
                    help="policy.model: smollm2, or a Hugging Face model directory, e.g. a "
                         "run's warm start merged (`gyre export-model RUN --version 0 --out "

@@ -347,11 +347,10 @@ def main(argv: list[str] | None = None) -> int:
                         "params=numLocations=9,includeDoors=0,numDistractorItems=0 to check "
                         "transfer to a larger map than the run trained on")
     p.add_argument("--concurrency", type=int, default=0, metavar="N",
-                   help="games played at once (0: the run's evaluator.concurrency, all of "
-                        "them up to the 64 sessions the torch policy keeps). With segment "
-                        "contexts each game playing holds its whole context's keys/values "
-                        "(SmolLM2-135M: 46 KB per token), so long games at 64 at once "
-                        "held 16 GB here: 16 at once hold a quarter of that")
+                   help="games played at once (0: the run's evaluator.concurrency; the LLM "
+                        "bench's runs say 32). With segment contexts each game playing holds "
+                        "its whole context's keys/values (SmolLM2-135M: 46 KB per token): "
+                        "32 long Simon Says games at once held 16 GB here, 16 about 7 GB")
     p.add_argument("--png", default="", help="the plot (default: heldout.png beside the run)")
     p.add_argument("--plays", default="",
                    help="finished plays kept here and reused (default: heldout-plays.jsonl "

@@ -9,7 +9,7 @@ import json
 import os
 import sys
 
-from gyre_async.bus import NoEventLog, open_bus
+from gyre_async.bus import open_bus
 from gyre_async.bus.base import Bus
 from gyre_async.bus.reading import read_back_limit
 from gyre_async.bus.secrets import redact
@@ -46,11 +46,10 @@ async def existing_bus(url: str, follow: bool) -> Bus:
     ``events.db`` left behind would make that run refuse its directory."""
     from gyre_async.bus.embedded import EmbeddedBus
 
+    if not follow:
+        return open_bus(url, reader=True)  # a missing embedded log: NoEventLog with its path
     bus = open_bus(url)
     if isinstance(bus, EmbeddedBus) and not os.path.isfile(bus.path):
-        if not follow:
-            raise NoEventLog(f"no event log at {bus.path}: check the run directory (or --bus); "
-                             "a reader never creates one (--follow waits for the run)")
         print(f"gyre tail: waiting for the run to create {bus.path}", file=sys.stderr)
         while not os.path.isfile(bus.path):
             await asyncio.sleep(0.5)

@@ -387,7 +387,9 @@ class LearnerConfig(Strict):
     detached (a linear probe of them), so the critic's errors never move the policy. On
     Simon Says with milestone pay, batches of plays lost early gave value losses of 3.4-3.8
     whose gradient (norm 58-64, clipped to 1 together with the policy's) was nearly the
-    whole step through the shared LoRA; the entropy rose 3-4x after each."""
+    whole step through the shared LoRA; the entropy rose 3-4x after each. Detached, the
+    head's gradient and the policy's are clipped to ``max_grad_norm`` apart (a large critic
+    error no longer shrinks the policy's step); ``losses/value_grad_norm`` reports the head's."""
     value_clip: float = 0.5
     """PPO value clip: the critic moves at most this far from the values the advantages
     were computed with, per update (0: plain squared error)."""

@@ -16,7 +16,7 @@ from test_critic import config
 
 from gyre_async.compose import build_policy
 from gyre_async.core.learner import LearnerCore
-from gyre_async.rl.critic import value_head
+from gyre_async.rl.critic import clip_gradients, value_head
 
 
 def value_gradients(tmp_path, trunk_gradient: bool) -> tuple[float, float]:
@@ -61,3 +61,47 @@ def test_detached_values_are_the_same_values(tmp_path):
     before = policy.evaluate(contexts, actions).values.detach()
     policy.critic_detached = True
     assert torch.equal(policy.evaluate(contexts, actions).values.detach(), before)
+
+
+def grads_after_clip(tmp_path, detached: bool) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+    """A policy's gradients after ``clip_gradients``: its value head's set 100x too large,
+    every other weight's set to a norm of 0.5 in all (below the clip of 1)."""
+    torch.manual_seed(0)
+    policy = build_policy(config(tmp_path))
+    policy.critic_detached = detached
+    head = {id(p) for p in value_head(policy).parameters()}
+    params = list(policy.parameters())
+    rest = [p for p in params if id(p) not in head]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    for p in rest:
+        p.grad /= sum(q.numel() for q in rest) ** 0.5 / 0.5
+    for p in value_head(policy).parameters():
+        p.grad *= 100.0
+    norms = clip_gradients(policy, params, 1.0)
+    flat = torch.cat([p.grad.flatten() for p in rest])
+    head_flat = torch.cat([p.grad.flatten() for p in value_head(policy).parameters()])
+    return flat, head_flat, norms
+
+
+def test_detached_the_policy_and_value_head_are_clipped_apart(tmp_path):
+    flat, head_flat, (policy_norm, value_norm) = grads_after_clip(tmp_path / "head", True)
+    assert abs(policy_norm - 0.5) < 1e-4 and value_norm is not None and value_norm > 100
+    assert abs(float(flat.norm()) - 0.5) < 1e-4  # the policy's step is left whole
+    assert abs(float(head_flat.norm()) - 1.0) < 1e-4  # the critic's is clipped to 1
+    # shared (the default): one norm over both, so the critic's size shrinks the policy's step
+    flat, head_flat, (joint_norm, value_norm) = grads_after_clip(tmp_path / "shared", False)
+    assert value_norm is None and joint_norm > 100
+    assert float(flat.norm()) < 0.01
+    assert abs(float(torch.cat([flat, head_flat]).norm()) - 1.0) < 1e-4
+
+
+def test_an_update_with_the_critic_detached_reports_both_norms(tmp_path):
+    from test_signal_free_batch import Learner
+
+    learner = Learner(tmp_path)
+    shared = learner.update([1.0, -1.0] * 4)
+    assert "losses/value_grad_norm" not in shared  # one norm over all, as before
+    learner.policy.critic_detached = True
+    apart = learner.update([1.0, -1.0] * 4)
+    assert apart["losses/grad_norm"] > 0 and apart["losses/value_grad_norm"] > 0

@@ -25,7 +25,7 @@ from gyre_async.core.learner_batch import (
     unit_minibatches,
 )
 from gyre_async.core.learner_dp import DataParallel
-from gyre_async.rl.critic import critic_gradients_only
+from gyre_async.rl.critic import clip_gradients, critic_gradients_only
 from gyre_async.rl.finite import check_batch_finite, check_loss_finite
 from gyre_async.rl.ppo import broadcast_step_advantages, ppo_policy_loss, value_loss
 from schemas.config import LearnerConfig
@@ -128,9 +128,13 @@ class PpoEpochs:
                     readings.pop("loss")
                 if self.signal_free:  # the value head's gradient alone (see its docs)
                     critic_gradients_only(self.policy, params)
-                grad_norm = torch.nn.utils.clip_grad_norm_(params, settings.max_grad_norm)
+                grad_norm, value_grad_norm = clip_gradients(self.policy, params,
+                                                            settings.max_grad_norm)
                 self.optimizer.step()
-                for key, val in {**readings, "grad_norm": float(grad_norm)}.items():
+                norms = {"grad_norm": grad_norm}
+                if value_grad_norm is not None:  # the critic detached: clipped apart
+                    norms["value_grad_norm"] = value_grad_norm
+                for key, val in {**readings, **norms}.items():
                     stats.setdefault(key, []).append(val)
         out = {f"losses/{k}": float(np.mean(vals)) for k, vals in stats.items()}
         return {**out, "losses/policy_step_skipped": float(self.signal_free)}

@@ -147,6 +147,30 @@ def critic_gradients_only(policy, params: Sequence[torch.nn.Parameter]) -> None:
             p.grad = None
 
 
+def clip_gradients(policy, params: Sequence[torch.nn.Parameter],
+                   max_norm: float) -> tuple[float, float | None]:
+    """Clip the gradients of ``params`` to ``max_norm``; returns the norms before clipping:
+    (the policy's, the value head's or None).
+
+    With the critic detached (``learner.value_trunk_gradient = false``, the policy's
+    ``critic_detached``) the value head's gradient comes from the value loss alone and the
+    other weights' from the policy loss alone: two objectives that share no weight, so
+    each part is clipped to ``max_norm`` apart. Clipped together, a batch with a large
+    critic error (Simon Says: value-head gradient norms 10-19 against a policy part near 1)
+    scaled the policy's step down ~15x for a reason that has nothing to do with the policy.
+    Otherwise (the critic shares the weights) one norm over all, as before."""
+    if not getattr(policy, "critic_detached", False):
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm)), None
+    try:
+        head = {id(p) for p in value_head(policy).parameters()}
+    except TypeError:
+        head = set()
+    critic = [p for p in params if id(p) in head]
+    rest = [p for p in params if id(p) not in head]
+    policy_norm = float(torch.nn.utils.clip_grad_norm_(rest, max_norm))
+    return policy_norm, float(torch.nn.utils.clip_grad_norm_(critic, max_norm))
+
+
 class CriticGuard:
     """The learner's critic defences, with the state they keep between updates.
 
@@ -251,7 +275,7 @@ class CriticGuard:
                 loss.backward()
                 if critic_only:
                     critic_gradients_only(policy, list(policy.parameters()))
-                torch.nn.utils.clip_grad_norm_(policy.parameters(), max_grad_norm)
+                clip_gradients(policy, list(policy.parameters()), max_grad_norm)
                 optimizer.step()
                 loss_value = float(loss.detach())
         return loss_value

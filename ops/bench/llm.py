@@ -781,7 +781,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--critic-head-only", action="store_true",
                    help="learner.value_trunk_gradient = false: the value loss trains the value "
                         "head alone, on the policy's features detached, so the critic's errors "
-                        "never move the LoRA the policy acts with")
+                        "never move the LoRA the policy acts with (and the two gradients are "
+                        "clipped apart)")
     p.add_argument("--model", default="smollm2",
                    help="policy.model: smollm2, or a Hugging Face model directory, e.g. a "
                         "run's warm start merged (`gyre export-model RUN --version 0 --out "

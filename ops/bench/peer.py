@@ -733,7 +733,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--trl-minutes", type=float, default=0.0,
                    help="TRL's wall-clock budget (default: --minutes; on a warm-started task "
                         "the minutes of Gyre's online RL)")
-    p.add_argument("--trl-reward", default="outcome", choices=["outcome", "score"])
+    p.add_argument("--trl-reward", default="outcome", choices=["outcome", "score"],
+                   help="TRL's reward: the game's outcome (1 won, else 0) or its final score "
+                        "(partial credit: differs from the outcome on cooking-long only; on "
+                        "coin it equals the outcome, on Simon Says it is 2 * outcome - 1, "
+                        "which GRPO's group-normalised advantages make the same)")
     p.add_argument("--trl-num-generations", type=int, default=8)
     p.add_argument("--trl-micro-batch", type=int, default=2)
     p.add_argument("--trl-learning-rate", type=float, default=2e-4)

@@ -35,7 +35,10 @@ path has no such form: an episode is one sequence.
 
 Reward (``--reward``): ``outcome`` (1 for a won game, else 0: the game's outcome) or
 ``score`` (the game's final normalised score; on ``coin`` the score is 1 exactly when the
-coin is taken, so both variants give the same rewards there).
+coin is taken, so both variants give the same rewards there; on Simon Says every game ends
+won at +1 or lost at -1, so the score is ``2 * outcome - 1``, and GRPO's group-normalised
+advantages are the same for both: the variant differs only where a game gives partial
+credit, as CookingWorld does).
 
 Versions: after every optimizer step the adapter is saved under
 ``<out>/versions/v<update>/`` (peft's ``adapter_config.json`` + ``adapter_model.safetensors``)

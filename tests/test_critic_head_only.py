@@ -63,7 +63,8 @@ def test_detached_values_are_the_same_values(tmp_path):
     assert torch.equal(policy.evaluate(contexts, actions).values.detach(), before)
 
 
-def grads_after_clip(tmp_path, detached: bool) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+def grads_after_clip(tmp_path, detached: bool,
+                     apart: bool = True) -> tuple[torch.Tensor, torch.Tensor, tuple]:
     """A policy's gradients after ``clip_gradients``: its value head's set 100x too large,
     every other weight's set to a norm of 0.5 in all (below the clip of 1)."""
     torch.manual_seed(0)
@@ -78,7 +79,7 @@ def grads_after_clip(tmp_path, detached: bool) -> tuple[torch.Tensor, torch.Tens
         p.grad /= sum(q.numel() for q in rest) ** 0.5 / 0.5
     for p in value_head(policy).parameters():
         p.grad *= 100.0
-    norms = clip_gradients(policy, params, 1.0)
+    norms = clip_gradients(policy, params, 1.0, apart)
     flat = torch.cat([p.grad.flatten() for p in rest])
     head_flat = torch.cat([p.grad.flatten() for p in value_head(policy).parameters()])
     return flat, head_flat, norms
@@ -89,7 +90,14 @@ def test_detached_the_policy_and_value_head_are_clipped_apart(tmp_path):
     assert abs(policy_norm - 0.5) < 1e-4 and value_norm is not None and value_norm > 100
     assert abs(float(flat.norm()) - 0.5) < 1e-4  # the policy's step is left whole
     assert abs(float(head_flat.norm()) - 1.0) < 1e-4  # the critic's is clipped to 1
-    # shared (the default): one norm over both, so the critic's size shrinks the policy's step
+    # detached, clipped together (the default): both norms read, one clip over both, so the
+    # critic's size shrinks the policy's step
+    flat, head_flat, (policy_norm, value_norm) = grads_after_clip(tmp_path / "joint", True,
+                                                                  apart=False)
+    assert abs(policy_norm - 0.5) < 1e-4 and value_norm is not None and value_norm > 100
+    assert float(flat.norm()) < 0.01
+    assert abs(float(torch.cat([flat, head_flat]).norm()) - 1.0) < 1e-4
+    # shared critic: one norm over all
     flat, head_flat, (joint_norm, value_norm) = grads_after_clip(tmp_path / "shared", False)
     assert value_norm is None and joint_norm > 100
     assert float(flat.norm()) < 0.01

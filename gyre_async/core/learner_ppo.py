@@ -128,11 +128,11 @@ class PpoEpochs:
                     readings.pop("loss")
                 if self.signal_free:  # the value head's gradient alone (see its docs)
                     critic_gradients_only(self.policy, params)
-                grad_norm, value_grad_norm = clip_gradients(self.policy, params,
-                                                            settings.max_grad_norm)
+                grad_norm, value_grad_norm = clip_gradients(
+                    self.policy, params, settings.max_grad_norm, settings.clip_critic_apart)
                 self.optimizer.step()
                 norms = {"grad_norm": grad_norm}
-                if value_grad_norm is not None:  # the critic detached: clipped apart
+                if value_grad_norm is not None:  # the critic detached: its norm read apart
                     norms["value_grad_norm"] = value_grad_norm
                 for key, val in {**readings, **norms}.items():
                     stats.setdefault(key, []).append(val)

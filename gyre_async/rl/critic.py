@@ -147,18 +147,18 @@ def critic_gradients_only(policy, params: Sequence[torch.nn.Parameter]) -> None:
             p.grad = None
 
 
-def clip_gradients(policy, params: Sequence[torch.nn.Parameter],
-                   max_norm: float) -> tuple[float, float | None]:
+def clip_gradients(policy, params: Sequence[torch.nn.Parameter], max_norm: float,
+                   apart: bool = False) -> tuple[float, float | None]:
     """Clip the gradients of ``params`` to ``max_norm``; returns the norms before clipping:
-    (the policy's, the value head's or None).
+    (the policy's, the value head's), the head's None unless the critic is detached.
 
     With the critic detached (``learner.value_trunk_gradient = false``, the policy's
     ``critic_detached``) the value head's gradient comes from the value loss alone and the
-    other weights' from the policy loss alone: two objectives that share no weight, so
-    each part is clipped to ``max_norm`` apart. Clipped together, a batch with a large
-    critic error (Simon Says: value-head gradient norms 10-19 against a policy part near 1)
-    scaled the policy's step down ~15x for a reason that has nothing to do with the policy.
-    Otherwise (the critic shares the weights) one norm over all, as before."""
+    other weights' from the policy loss alone, so the two norms are read apart. Clipped
+    together (the default), a batch with a large critic error (Simon Says: value-head norms
+    3-29 against a policy part of 0.01-0.65) scales the policy's step down by the critic's
+    size; ``apart`` (``learner.clip_critic_apart``) clips each part to ``max_norm`` on its
+    own. Otherwise (the critic shares the weights) one norm over all."""
     if not getattr(policy, "critic_detached", False):
         return float(torch.nn.utils.clip_grad_norm_(params, max_norm)), None
     try:
@@ -167,8 +167,15 @@ def clip_gradients(policy, params: Sequence[torch.nn.Parameter],
         head = set()
     critic = [p for p in params if id(p) in head]
     rest = [p for p in params if id(p) not in head]
-    policy_norm = float(torch.nn.utils.clip_grad_norm_(rest, max_norm))
-    return policy_norm, float(torch.nn.utils.clip_grad_norm_(critic, max_norm))
+    if apart:
+        policy_norm = float(torch.nn.utils.clip_grad_norm_(rest, max_norm))
+        return policy_norm, float(torch.nn.utils.clip_grad_norm_(critic, max_norm))
+    policy_norm = float(torch.nn.utils.get_total_norm(
+        [p.grad for p in rest if p.grad is not None]))
+    critic_norm = float(torch.nn.utils.get_total_norm(
+        [p.grad for p in critic if p.grad is not None]))
+    torch.nn.utils.clip_grad_norm_(params, max_norm)
+    return policy_norm, critic_norm
 
 
 class CriticGuard:

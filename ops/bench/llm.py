@@ -203,6 +203,7 @@ def bench_config(args: argparse.Namespace) -> Config:
                  "kl_to_base": args.kl_to_base,
                  "advantage_std_floor": args.advantage_std_floor,
                  "value_trunk_gradient": not args.critic_head_only,
+                 "clip_critic_apart": args.clip_critic_apart,
                  "micro_steps": args.micro_steps, "entropy_coef": args.entropy_coef,
                  "micro_tokens": args.micro_tokens if args.context == "segment" else 0},
         evaluator={"every_versions": args.eval_every, "greedy": args.decoding == "greedy",
@@ -781,8 +782,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--critic-head-only", action="store_true",
                    help="learner.value_trunk_gradient = false: the value loss trains the value "
                         "head alone, on the policy's features detached, so the critic's errors "
-                        "never move the LoRA the policy acts with (and the two gradients are "
-                        "clipped apart)")
+                        "never move the LoRA the policy acts with")
+    p.add_argument("--clip-critic-apart", action="store_true",
+                   help="learner.clip_critic_apart (with --critic-head-only): clip the value "
+                        "head's gradient and the policy's each on its own, not together")
     p.add_argument("--model", default="smollm2",
                    help="policy.model: smollm2, or a Hugging Face model directory, e.g. a "
                         "run's warm start merged (`gyre export-model RUN --version 0 --out "

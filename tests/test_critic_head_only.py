@@ -19,12 +19,14 @@ from gyre_async.core.learner import LearnerCore
 from gyre_async.rl.critic import clip_gradients, value_head
 
 
-def value_gradients(tmp_path, trunk_gradient: bool) -> tuple[float, float]:
+def value_gradients(tmp_path, trunk_gradient: bool,
+                    credit: str = "fusion") -> tuple[float, float]:
     """Gradient norms (shared weights, value head) of the values' sum, after the learner
-    has taken the policy with ``learner.value_trunk_gradient = trunk_gradient``."""
+    has taken the policy with ``learner.value_trunk_gradient = trunk_gradient`` and
+    ``learner.credit = credit``."""
     cfg = config(tmp_path)
     cfg = msgspec.structs.replace(cfg, learner=msgspec.structs.replace(
-        cfg.learner, value_trunk_gradient=trunk_gradient))
+        cfg.learner, value_trunk_gradient=trunk_gradient, credit=credit))
     torch.manual_seed(0)
     policy = build_policy(cfg)
     LearnerCore(cfg, policy)
@@ -49,6 +51,18 @@ def test_detached_the_value_loss_reaches_the_value_head_only(tmp_path):
     assert shared > 0 and head > 0  # the default: the critic trains the shared weights too
     shared, head = value_gradients(tmp_path / "head", False)
     assert shared == 0 and head > 0
+
+
+def test_credit_that_never_reads_the_values_keeps_the_critic_off_the_policy(tmp_path):
+    """Outcome and anchored credit compute advantages without the critic, so its loss
+    must not move the weights the policy acts with (the GRPO-style baseline has no
+    critic); GAE and fusion credit keep the configured sharing."""
+    for credit in ("outcome", "anchored"):
+        shared, head = value_gradients(tmp_path / credit, True, credit)
+        assert shared == 0 and head > 0, credit
+    for credit in ("fusion", "gae"):
+        shared, head = value_gradients(tmp_path / credit, True, credit)
+        assert shared > 0 and head > 0, credit
 
 
 def test_detached_values_are_the_same_values(tmp_path):

@@ -48,7 +48,7 @@ from gyre_async.experience.elite import ElitePool, offer_trained, sample_for
 from gyre_async.policy.base import EvalOutput
 from gyre_async.rl.critic import CriticGuard, Divergence, complete_returns
 from gyre_async.rl.finite import NonFiniteBatch, check_batch_finite
-from gyre_async.rl.fusion import OutcomeBook
+from gyre_async.rl.fusion import CRITIC_FREE_CREDIT, OutcomeBook
 from gyre_async.rl.staleness import StalenessGate
 from gyre_async.storage.checkpoints import CheckpointRef
 from schemas import event_id
@@ -144,7 +144,8 @@ class LearnerCore:
                  dp: DataParallel | None = None):
         self.cfg = cfg
         self.policy = policy
-        if not cfg.learner.value_trunk_gradient:  # the critic trains its head alone
+        if (not cfg.learner.value_trunk_gradient  # the critic trains its head alone
+                or cfg.learner.credit in CRITIC_FREE_CREDIT):
             policy.critic_detached = True
         self.dp = dp  # a data-parallel group (gyre_async.core.learner_dp), None: alone
         self.optimizer = torch.optim.Adam(policy.parameters(), lr=cfg.learner.learning_rate)

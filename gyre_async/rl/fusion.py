@@ -71,6 +71,11 @@ from gyre_async.rl.advantages import fuse_advantages, fusion_weight, group_outco
 
 CreditMode = Literal["fusion", "gae", "outcome", "anchored"]
 
+#: credit modes whose advantages never read the critic's values: their value head still
+#: learns (its readings stay comparable), but on the policy's features detached, since a
+#: value loss through the shared weights would move the policy for nothing
+CRITIC_FREE_CREDIT: frozenset[str] = frozenset({"outcome", "anchored"})
+
 
 def unit_rms(local: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     """``local / (sqrt(mean over masked entries of local^2) + eps)``; padded entries 0."""

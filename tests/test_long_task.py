@@ -86,9 +86,25 @@ def test_simon_says_with_memory_is_a_24_step_task_played_as_one_segment():
     cfg = bench.bench_config(args)
     assert cfg.segmenter.milestone_min_steps == 60 and cfg.policy.context == "segment"
     assert cfg.segmenter.max_segment_steps == args.max_steps
+    assert (cfg.run.mode, cfg.sampler.group_size) == ("sync", 8)  # the headline RL run
+    assert cfg.learner.value_trunk_gradient is False and cfg.loop.max_env_steps == 2362
     bare = p.parse_args(["--long-task", "--out", "x"])
     bench.apply_long_task(bare, ["--long-task", "--out", "x"])
     assert bare.twx_game == "cookingworld"
+
+
+def test_a_switch_given_off_wins_over_the_preset():
+    """``--no-critic-head-only`` beside ``--long-task simon`` shares the LoRA with the
+    critic again; other explicit flags win as before."""
+    bench = load_script("ops/bench/llm.py")
+    p = bench.parser()
+    argv = ["--long-task", "simon", "--no-critic-head-only", "--mode", "async",
+            "--group-size", "1", "--out", "x"]
+    args = p.parse_args(argv)
+    bench.apply_long_task(args, argv)
+    cfg = bench.bench_config(args)
+    assert cfg.learner.value_trunk_gradient is True
+    assert (cfg.run.mode, cfg.sampler.group_size) == ("async", 1)
 
 
 def test_the_judge_engine_follows_the_sampler_unless_given():

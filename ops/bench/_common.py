@@ -81,7 +81,8 @@ def apply_preset(args: argparse.Namespace, argv: list[str], preset: dict[str, An
     given explicitly wins."""
     given = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
     for key, value in preset.items():
-        if "--" + key.replace("_", "-") not in given:
+        flag = key.replace("_", "-")
+        if "--" + flag not in given and "--no-" + flag not in given:  # --no-X: a switch off
             setattr(args, key, value)
 
 

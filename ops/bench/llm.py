@@ -141,11 +141,16 @@ LONG_TASK = {"env": "twx", **LONG_TASK_GAME, "context": "segment", "context_toke
 #: walkthroughs cloned for 3 epochs. The base model wins 0 of 32 dev games, that warm start
 #: 12 of 32; 8-step segments, whose openings must find their place in the list from the
 #: milestone summary, won 0 of 32 after cloning (docs/training.md, "Simon Says with memory").
+#: The RL run is the headline one measured there: sync groups of 8 plays of a game, the
+#: critic on its own head (of the credits tried over two seeds, the largest mean gain over
+#: the start), 2,362 env steps in at most 120 minutes.
 LONG_TASK_SIMON = {**LONG_TASK, "twx_game": "simonsays",
                    "twx_params": "gameLength=24,numDistractors=4,memorization=1",
                    "max_steps": 60, "milestone_min_steps": 60,
                    "max_segment_steps": 60, "segment_hint": "changes",
-                   "warmstart_demos": 64, "warmstart_epochs": 3}
+                   "warmstart_demos": 64, "warmstart_epochs": 3,
+                   "mode": "sync", "group_size": 8, "critic_head_only": True,
+                   "env_steps": 2362, "minutes": 120.0}
 
 LONG_TASKS = {"cooking": LONG_TASK, "simon": LONG_TASK_SIMON}
 
@@ -651,7 +656,8 @@ def parser() -> argparse.ArgumentParser:
                    help="the long task's headline settings: 'cooking' (the default: "
                         "CookingWorld, 4 rooms, 3 ingredients, doors: median gold path 24 "
                         "steps; 64-step cap) or 'simon' (Simon Says with memory: 24 actions "
-                        "listed once, one wrong action loses; 60-step cap), both with segment "
+                        "listed once, one wrong action loses; 60-step cap; sync groups of 8, "
+                        "the critic on its own head, 2,362 env steps), both with segment "
                         "contexts and 96 held-out test games; flags given explicitly win")
     p.add_argument("--credit", default="fusion", choices=["fusion", "anchored", "outcome"],
                    help="Gyre's credit: fusion (milestones, segment GAE, outcome fusion) or "
@@ -779,10 +785,12 @@ def parser() -> argparse.ArgumentParser:
                    help="learner.advantage_std_floor: divide the advantages by their spread "
                         "but by no less than this (e.g. a milestone's 0.1), so a batch with "
                         "no real signal moves the policy less")
-    p.add_argument("--critic-head-only", action="store_true",
+    p.add_argument("--critic-head-only", action=argparse.BooleanOptionalAction,
+                   default=False,
                    help="learner.value_trunk_gradient = false: the value loss trains the value "
                         "head alone, on the policy's features detached, so the critic's errors "
-                        "never move the LoRA the policy acts with")
+                        "never move the LoRA the policy acts with (--long-task simon: on; "
+                        "--no-critic-head-only shares the LoRA with the critic)")
     p.add_argument("--clip-critic-apart", action="store_true",
                    help="learner.clip_critic_apart (with --critic-head-only): clip the value "
                         "head's gradient and the policy's each on its own, not together")

@@ -97,7 +97,11 @@ def plot(runs: list[tuple[str, str, dict]], summary: dict, path: str, title: str
     curves.legend(fontsize=7)
     for i, (credit, c) in enumerate(summary["credits"].items()):
         ys = list(c["gains"].values())
-        gains.scatter([i] * len(ys), ys, color=colour[credit], zorder=3)
+        # seeds side by side, so that equal gains (whole games of 96) stay apart
+        xs = [i + 0.12 * (k - (len(ys) - 1) / 2) for k in range(len(ys))]
+        gains.scatter(xs, ys, color=colour[credit], zorder=3)
+        for x, y, seed in zip(xs, ys, c["gains"]):
+            gains.annotate(seed, (x, y), xytext=(3, 2), textcoords="offset points", fontsize=6)
         gains.hlines(c["mean_gain"], i - 0.25, i + 0.25, color=colour[credit], lw=2)
     gains.axhline(0.0, color="gray", ls=":")
     gains.set_xticks(range(len(summary["credits"])), list(summary["credits"]), fontsize=8)

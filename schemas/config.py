@@ -392,7 +392,8 @@ class LearnerConfig(Strict):
     ``losses/value_grad_norm`` the head's. Credit that never reads the values
     (``outcome``, ``anchored``) always detaches the critic: with the trunk shared, the
     GRPO-style baseline's LoRA took the value loss's gradient in every update that had a
-    policy signal (on Simon Says, joint gradient norms of 2.4-7.6 in the four updates of 13 that had one)."""
+    policy signal (on Simon Says, joint gradient norms of 2.4-7.6 in the four updates of
+    13 that had one)."""
     clip_critic_apart: bool = False
     """With the critic detached (``value_trunk_gradient = false``): clip the value head's
     gradient and the policy's to ``max_grad_norm`` each, instead of together (where a large

@@ -255,3 +255,30 @@ def test_a_longer_trl_clock_adds_candidates_from_gyres_clock():
     assert whole == [8, 16, 24, 30]
     both = [v["version"] for v in bench.trl_candidates(versions, 4, clock_s=1350.0)]
     assert both == [4, 8, 12, 13, 16, 24, 30]
+
+
+def test_a_given_warm_start_is_both_sides_start_and_gyres_side_runs_the_preset(tmp_path):
+    """``peer.py --task simon-long --warm-model DIR``: Gyre's side is ``llm.py --long-task
+    simon`` itself (sync groups of 8, the critic on its own head: the preset reaches the
+    child's config, which parsed flags alone did not) from DIR with no warm start of its own
+    and the clock, not the preset's env steps, ending it; TRL's judge plays on DIR; the
+    sides may then train at once; a folder that is not a model is refused by name."""
+    llm = load_script("ops/bench/llm.py")
+    bench = load_script("ops/bench/peer.py")
+    warm = tmp_path / "warm"
+    warm.mkdir()
+    (warm / "config.json").write_text("{}")
+    args = bench.parser().parse_args(["--task", "simon-long", "--warm-model", str(warm),
+                                      "--minutes", "60", "--together"])
+    argv = bench.llm_argv(str(tmp_path / "g"), bench.task_spec("simon-long", args), args,
+                          "simon-long")
+    gyre = llm.parse_args(argv)
+    assert (gyre.mode, gyre.group_size, gyre.critic_head_only) == ("sync", 8, True)
+    assert (gyre.model, gyre.warmstart_demos, gyre.env_steps, gyre.minutes) == (str(warm), 0, 0, 60)
+    cfg = llm.bench_config(gyre)
+    assert cfg.policy.model == str(warm) and cfg.loop.max_env_steps == 0
+    assert cfg.run.mode == "sync" and cfg.learner.value_trunk_gradient is False
+    assert warm_judge_config(bench, str(warm), argv).policy.model == str(warm)
+    with pytest.raises(SystemExit, match="not a model folder"):
+        bench.main(["--task", "simon-long", "--warm-model", str(tmp_path), "--together",
+                    "--out", str(tmp_path / "o")])

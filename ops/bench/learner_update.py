@@ -58,8 +58,7 @@ def long_task_config():
     """The long task's learner and policy settings (``ops/bench/llm.py --long-task``)."""
     import llm
 
-    args = llm.parser().parse_args(["--long-task", "--out", tempfile.mkdtemp()])
-    llm.apply_long_task(args, ["--long-task"])
+    args = llm.parse_args(["--long-task", "--out", tempfile.mkdtemp()])
     return llm.bench_config(args)
 
 

@@ -163,6 +163,15 @@ def apply_long_task(args: argparse.Namespace, argv: list[str]) -> None:
         apply_preset(args, argv, LONG_TASKS[args.long_task])
 
 
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The bench's arguments as :func:`main` reads them: parsed, then ``--long-task``'s
+    preset on every flag ``argv`` left alone (every caller that builds this bench's config
+    from a command line goes through here, so a preset is never parsed but not applied)."""
+    args = parser().parse_args(argv)
+    apply_long_task(args, argv)
+    return args
+
+
 def credit_overrides(args: argparse.Namespace) -> dict:
     """``--credit outcome``: the GRPO-style baseline (each step's advantage is its
     trajectory's group-relative outcome; no milestone pay, no segment cuts at milestones,
@@ -1024,8 +1033,7 @@ def result_of(args: argparse.Namespace, base: dict, run: Run, loop: InLoop, cmp:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     p = parser()
-    args = p.parse_args(argv)
-    apply_long_task(args, argv)
+    args = parse_args(argv)
     with_bounded_arenas(argv)
     if args.minutes > 75 and not args.env_steps:
         p.error("--minutes: the issue's budget is at most 75 minutes (warm-start + online RL); "

@@ -115,6 +115,9 @@ def llm_argv(out: str, task: tuple[str, str, int], args: argparse.Namespace,
     task's: :data:`WARM_STARTED`)."""
     game, params, cap = task
     warm = WARM_STARTED.get(task_name)
+    if warm and args.warm_model:  # the shared start given: no warm start of its own, and
+        # the clock (``--minutes``, the same as TRL's) ends the run, not a preset's env steps
+        warm = [*warm, "--model", args.warm_model, "--warmstart-demos", "0", "--env-steps", "0"]
     argv = ["--out", out, "--env", "twx", "--twx-game", game, "--twx-params", params,
             "--max-steps", str(cap), *(warm or ["--warmstart-demos", "0"]),
             "--eval-engine", "torch",
@@ -132,7 +135,7 @@ def gyre_child(args: argparse.Namespace) -> int:
     """``--gyre-child``: Gyre's run, in this process (llm.py's config and ``train``)."""
     import llm
 
-    llm_args = llm.parser().parse_args(args.llm_argv)
+    llm_args = llm.parse_args(args.llm_argv)
     cfg = llm.bench_config(llm_args)
     run = llm.train(cfg, llm_args)
     record = {"summary": run.summary, "online_s": round(run.online_s, 1),
@@ -272,6 +275,8 @@ def judge_gyre(run_dir: Path, task_dir: Path, args: argparse.Namespace) -> dict:
                "--every", str(every), "--dev-episodes", str(args.dev_episodes),
                "--test-episodes", str(args.test_episodes),
                "--png", str(task_dir / "heldout_gyre.png"), "--out", str(path)]
+    if args.judge_concurrency:
+        command += ["--concurrency", str(args.judge_concurrency)]
     if engine == "vllm":
         command = in_vllm_venv(command)
     run_child(command, args, task_dir / "judge_gyre.log", "judge")
@@ -299,7 +304,8 @@ def judge_trl(trl_dir: Path, task_dir: Path, task: tuple[str, str, int],
     command = [sys.executable, str(Path(__file__).resolve()), "--judge-trl-child",
                "--trl-dir", str(trl_dir), "--task-dir", str(task_dir),
                "--dev-episodes", str(args.dev_episodes), "--test-episodes",
-               str(args.test_episodes), "--candidates", str(args.candidates)]
+               str(args.test_episodes), "--candidates", str(args.candidates),
+               "--judge-concurrency", str(args.judge_concurrency)]
     if warm is not None:  # TRL's adapters sit on Gyre's version 0, merged
         command += ["--judge-model", str(warm)]
     if same_clock_s:
@@ -314,8 +320,7 @@ def trl_eval_config(args: argparse.Namespace):
     seed, the context form TRL trained with (one growing segment per game)."""
     import llm
 
-    llm_args = llm.parser().parse_args(args.llm_argv)
-    llm.apply_long_task(llm_args, args.llm_argv)
+    llm_args = llm.parse_args(args.llm_argv)
     cfg = llm.bench_config(llm_args)
     game_cap = llm_args.max_steps
     peer = peer_module()
@@ -389,8 +394,10 @@ async def judge_trl_async(args: argparse.Namespace) -> dict:
     peer = peer_module()
     versions = peer.versions_of(args.trl_dir)
     candidates = trl_candidates(versions, args.candidates, args.same_clock_s)
-    dev = llm_heldout.split_config(cfg, "dev", args.dev_episodes, "torch")
-    test = llm_heldout.split_config(cfg, "test", args.test_episodes, "torch")
+    dev = llm_heldout.split_config(cfg, "dev", args.dev_episodes, "torch",
+                                   concurrency=args.judge_concurrency)
+    test = llm_heldout.split_config(cfg, "test", args.test_episodes, "torch",
+                                    concurrency=args.judge_concurrency)
     tokenizer = build_tokenizer(cfg)
     holder = PolicyHolder(validation_policy(dev, tokenizer), 0)
     builder = trl_judge_builder(cfg, tokenizer)
@@ -637,7 +644,11 @@ def task_result(task_name: str, task: tuple[str, str, int], args: argparse.Names
     task_dir = out / task_name
     task_dir.mkdir(parents=True, exist_ok=True)
     warm = None
-    if task_name in WARM_STARTED:  # TRL starts from Gyre's version 0: one after the other
+    if task_name in WARM_STARTED and args.warm_model:  # both from the given start, at once
+        warm = Path(args.warm_model)     # if --together; the same clock either way
+        run_dir, trl_dir = both(args, lambda: gyre_side(task_dir, task, args, task_name),
+                                lambda: trl_side(task_dir, task_name, task, args, warm))
+    elif task_name in WARM_STARTED:  # TRL starts from Gyre's version 0: one after the other
         run_dir = gyre_side(task_dir, task, args, task_name)
         warm = warm_model(run_dir, task_dir)
         trl_dir = trl_side(task_dir, task_name, task, args, warm, online_minutes(run_dir))
@@ -645,7 +656,8 @@ def task_result(task_name: str, task: tuple[str, str, int], args: argparse.Names
         run_dir, trl_dir = both(args, lambda: gyre_side(task_dir, task, args, task_name),
                                 lambda: trl_side(task_dir, task_name, task, args))
     gyre_judge = judge_gyre(run_dir, task_dir, args)  # not timed: one after the other
-    gyre_clock = online_minutes(run_dir) * 60 if warm is not None else args.minutes * 60
+    gyre_clock = (online_minutes(run_dir) * 60 if warm is not None and not args.warm_model
+                  else args.minutes * 60)
     same_clock = gyre_clock if args.trl_minutes * 60 > gyre_clock + 1 else 0.0
     trl_judge = judge_trl(trl_dir, task_dir, task, args, task_name, warm, same_clock)
 
@@ -741,6 +753,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--trl-num-generations", type=int, default=8)
     p.add_argument("--trl-micro-batch", type=int, default=2)
     p.add_argument("--trl-learning-rate", type=float, default=2e-4)
+    p.add_argument("--warm-model", default="",
+                   help="a warm-started task's start, given: a model folder (e.g. the one "
+                        "docs/training.md's warm-start command builds) that both sides train "
+                        "from for --minutes each, Gyre with no warm start of its own; then "
+                        "--together may train them at once")
+    p.add_argument("--judge-concurrency", type=int, default=16,
+                   help="games each judge plays at once (0: the run's own setting)")
     p.add_argument("--threads", type=int, default=0,
                    help="torch threads of every process of both sides (0: torch's choice)")
     p.add_argument("--together", action="store_true",
@@ -781,9 +800,13 @@ def main(argv: list[str] | None = None) -> int:
             args.gyre_eval_episodes = 1
         if "--trl-num-generations" not in given:
             args.trl_num_generations = 2
-    if args.together and any(t in WARM_STARTED for t in args.task):
+    if args.together and not args.warm_model and any(t in WARM_STARTED for t in args.task):
         raise SystemExit("--together: the long task's TRL side starts from Gyre's version 0, "
-                         "so its sides run one after the other (leave out --together)")
+                         "so its sides run one after the other (leave out --together, or "
+                         "give both sides the same start with --warm-model DIR)")
+    if args.warm_model and not Path(args.warm_model, "config.json").is_file():
+        raise SystemExit(f"--warm-model {args.warm_model}: not a model folder (no config.json); "
+                         "build one with docs/training.md's warm-start command")
     if args.together:
         args.threads = args.threads or max(1, len(os.sched_getaffinity(0)) // 2)
         if 2 * args.threads > len(os.sched_getaffinity(0)):

@@ -50,8 +50,7 @@ def parser() -> argparse.ArgumentParser:
 async def play(args: argparse.Namespace) -> list[dict]:
     argv = ["--long-task", "simon", "--model", args.model, "--warmstart-demos", "0",
             "--out", "/nonexistent-unused", *args.llm_flags]
-    bench_args = llm.parser().parse_args(argv)
-    llm.apply_long_task(bench_args, argv)
+    bench_args = llm.parse_args(argv)
     cfg = llm.bench_config(bench_args)
     tokenizer = build_tokenizer(cfg)
     builder = build_context_builder(cfg, tokenizer)

@@ -560,7 +560,7 @@ def plot(curves: dict[str, dict], judged: dict[str, dict], path: Path, title: st
 
     colours = {"gyre": "tab:blue", "trl": "tab:orange"}
     names = {"gyre": "Gyre", "trl": "TRL GRPOTrainer"}
-    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.4))
     for axis, key, label in ((axes[0], "t", "wall-clock (minutes)"),
                              (axes[1], "env_steps", "env steps")):
         for side, curve in curves.items():
@@ -583,9 +583,11 @@ def plot(curves: dict[str, dict], judged: dict[str, dict], path: Path, title: st
         axis.set_xlabel(label)
         axis.set_ylabel("success rate")
         axis.set_ylim(-0.02, 1.02)
-        axis.legend(fontsize=7)
+    # one legend for both panels, below them: inside an axis it hid the curves it names
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=7, frameon=False)
     fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.13, 1, 1))
     fig.savefig(path, dpi=110)
 
 

@@ -38,6 +38,11 @@ cores of their own (``taskset``; default half the machine's): the same wall cloc
 same cores for each, in half the time of one after the other. The judges, which no clock
 budgets, then run one after the other on the whole machine.
 
+A warm-started task (``cooking-long``, ``simon-long``) runs its sides one after the other, TRL
+from Gyre's version 0; ``--warm-model DIR`` gives both sides DIR as their start instead
+(Gyre's run then has no warm start of its own and ends at ``--minutes``, as TRL's does), and
+``--together`` may then train them at once.
+
 ``--trl-minutes`` gives TRL a longer clock than Gyre's run had (e.g. a finished Gyre run of
 26 minutes against TRL's 60): its versions are then also chosen among those saved by Gyre's
 clock, and that version's test figure is TRL's ``test_success`` (the same clock, so

@@ -650,21 +650,17 @@ def task_result(task_name: str, task: tuple[str, str, int], args: argparse.Names
                 out: Path) -> dict:
     task_dir = out / task_name
     task_dir.mkdir(parents=True, exist_ok=True)
-    warm = None
-    if task_name in WARM_STARTED and args.warm_model:  # both from the given start, at once
-        warm = Path(args.warm_model)     # if --together; the same clock either way
+    from_version_0 = task_name in WARM_STARTED and not args.warm_model
+    if from_version_0:  # TRL starts from Gyre's version 0: one after the other
+        run_dir = gyre_side(task_dir, task, args, task_name)
+        warm: Path | None = warm_model(run_dir, task_dir)
+        trl_dir = trl_side(task_dir, task_name, task, args, warm, online_minutes(run_dir))
+    else:  # the same start and clock for both (a warm-started task's from --warm-model)
+        warm = Path(args.warm_model) if task_name in WARM_STARTED else None
         run_dir, trl_dir = both(args, lambda: gyre_side(task_dir, task, args, task_name),
                                 lambda: trl_side(task_dir, task_name, task, args, warm))
-    elif task_name in WARM_STARTED:  # TRL starts from Gyre's version 0: one after the other
-        run_dir = gyre_side(task_dir, task, args, task_name)
-        warm = warm_model(run_dir, task_dir)
-        trl_dir = trl_side(task_dir, task_name, task, args, warm, online_minutes(run_dir))
-    else:
-        run_dir, trl_dir = both(args, lambda: gyre_side(task_dir, task, args, task_name),
-                                lambda: trl_side(task_dir, task_name, task, args))
     gyre_judge = judge_gyre(run_dir, task_dir, args)  # not timed: one after the other
-    gyre_clock = (online_minutes(run_dir) * 60 if warm is not None and not args.warm_model
-                  else args.minutes * 60)
+    gyre_clock = online_minutes(run_dir) * 60 if from_version_0 else args.minutes * 60
     same_clock = gyre_clock if args.trl_minutes * 60 > gyre_clock + 1 else 0.0
     trl_judge = judge_trl(trl_dir, task_dir, task, args, task_name, warm, same_clock)
 

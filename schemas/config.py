@@ -381,6 +381,13 @@ class LearnerConfig(Strict):
     fusion_max_weight: float = 0.8
     """Largest weight the global outcome advantage can take in a segment (w_max < 1 keeps
     some per-step credit assignment in every segment)."""
+    fusion_silent_groups: Literal["local", "skip"] = "local"
+    """Fusion where a trajectory's group had all-equal returns (its outcome advantage is 0:
+    nothing ranks the group's plays). local: its segments train on the critic's local
+    signal alone. skip: they get no policy advantage, as outcome credit (GRPO) gives them;
+    their value targets still train the critic. Why skip: on Simon Says a group of 8 plays
+    that all won every milestone has local advantages that are only the critic's errors,
+    scaled to a full-size signal (approx KLs of 0.02-0.1 an update on such batches)."""
     value_trunk_gradient: bool = True
     """The value loss's gradient reaches the weights the critic shares with the policy (the
     trunk; an LLM's LoRA adapters). False: the value head learns on the policy's features

@@ -111,16 +111,25 @@ def slow_fuse_segments(
     mode: CreditMode = "fusion",
     w_max: float = 0.8,
     eps: float = 1e-8,
+    silent: str = "local",
 ) -> tuple[list[list[float]], list[float]]:
-    """Reference for :func:`gyre_async.rl.fusion.fuse_segments`, written out step by step."""
-    real = [(i, t) for i in range(len(local)) for t in range(len(local[i])) if mask[i][t]]
+    """Reference for :func:`gyre_async.rl.fusion.fuse_segments`, written out step by step.
+    ``silent="skip"``: a fusion segment whose known outcome advantage is exactly 0 (its
+    group's returns all equal) gets 0 everywhere and counts nothing towards the scale."""
+    def is_silent(i: int) -> bool:
+        return mode == "fusion" and silent == "skip" and float(global_adv[i]) == 0.0
+
+    real = [(i, t) for i in range(len(local)) for t in range(len(local[i]))
+            if mask[i][t] and not is_silent(i)]
     scale = math.sqrt(sum(float(local[i][t]) ** 2 for i, t in real) / max(len(real), 1))
     out, weights = [], []
     for i, row in enumerate(local):
         g = float(global_adv[i])
         known = g == g
         steps = [t for t in range(len(row)) if mask[i][t]]
-        if mode == "gae":
+        if is_silent(i):
+            w, values = 0.0, {}
+        elif mode == "gae":
             w, values = 0.0, {t: float(row[t]) for t in steps}
         elif mode == "outcome":
             w, values = (1.0 if known else 0.0), {t: (g if known else 0.0) for t in steps}

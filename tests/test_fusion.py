@@ -27,25 +27,28 @@ def fusion_cases(draw):
     rewards, values = draw(grid), draw(grid)
     boot = draw(st.lists(FLOATS, min_size=batch, max_size=batch))
     done = draw(st.lists(st.booleans(), min_size=batch, max_size=batch))
-    outcome = st.one_of(FLOATS, st.just(math.nan))  # NaN: the trajectory has not ended
+    # NaN: the trajectory has not ended; 0: its group's returns were all equal (silent)
+    outcome = st.one_of(FLOATS, st.just(math.nan), st.just(0.0))
     g = draw(st.lists(outcome, min_size=batch, max_size=batch))
     mask = [[1.0 if t < n else 0.0 for t in range(horizon)] for n in lengths]
     mode = draw(st.sampled_from(["fusion", "gae", "outcome"]))
     w_max = draw(st.floats(0.0, 1.0))
-    return rewards, values, mask, boot, done, g, mode, w_max
+    silent = draw(st.sampled_from(["local", "skip"]))
+    return rewards, values, mask, boot, done, g, mode, w_max, silent
 
 
 @settings(max_examples=150, deadline=None)
 @given(fusion_cases())
 def test_fused_advantages_match_slow_reference(case):
-    rewards, values, mask, boot, done, g, mode, w_max = case
+    rewards, values, mask, boot, done, g, mode, w_max, silent = case
     f64 = torch.float64
     local, _ = segment_gae(torch.tensor(rewards, dtype=f64), torch.tensor(values, dtype=f64),
                            torch.tensor(mask), torch.tensor(boot, dtype=f64),
                            torch.tensor(done), 0.97, 0.9)
-    fused, w = fuse_segments(local, torch.tensor(mask), torch.tensor(g, dtype=f64), mode, w_max)
+    fused, w = fuse_segments(local, torch.tensor(mask), torch.tensor(g, dtype=f64), mode, w_max,
+                             silent=silent)
     slow_local, _ = slow_segment_gae(rewards, values, mask, boot, done, 0.97, 0.9)
-    slow, slow_w = slow_fuse_segments(slow_local, mask, g, mode, w_max)
+    slow, slow_w = slow_fuse_segments(slow_local, mask, g, mode, w_max, silent=silent)
     assert torch.allclose(fused, torch.tensor(slow, dtype=f64), atol=1e-6)
     assert torch.allclose(w, torch.tensor(slow_w, dtype=f64), atol=1e-9)
     assert bool((w >= 0).all()) and bool((w <= (1.0 if mode == "outcome" else w_max)).all())
@@ -119,6 +122,29 @@ def test_fusion_hand_worked_extremes():
     fused, w = fuse_segments(local, mask, g_partial, "outcome")
     assert fused.tolist() == [[2.0, 2.0], [0.0, 0.0], [-1.0, -1.0]]
     assert w.tolist() == [1.0, 0.0, 1.0]
+
+
+def test_silent_groups_skip_trains_nothing_where_the_group_is_silent():
+    # The hand-worked segments above, plus seg3 [-3, 3] whose outcome is not known yet.
+    # skip: seg2 (g = 0 known: its group's returns were all equal) gets no advantage and
+    # leaves the scale; the RMS over seg0, seg1 and seg3's real steps is still 3, so seg0 and
+    # seg1 are as before, and seg3, unknown, keeps its local signal ([-1, 1], w = 0).
+    local = torch.tensor([[3.0, -3.0], [3.0, 3.0], [-3.0, 3.0], [-3.0, 3.0]],
+                         dtype=torch.float64)
+    mask = torch.ones(4, 2, dtype=torch.bool)
+    g = torch.tensor([2.0, 1.0, 0.0, math.nan], dtype=torch.float64)
+    fused, w = fuse_segments(local, mask, g, "fusion", w_max=0.8, silent="skip")
+    assert w.tolist() == pytest.approx([0.8, 0.4, 0.0, 0.0], abs=1e-7)
+    assert torch.allclose(fused, torch.tensor([[1.8, 1.4], [1.0, 1.0], [0.0, 0.0], [-1.0, 1.0]],
+                                              dtype=torch.float64), atol=1e-7)
+    # local (the default): the silent segment keeps its local signal alone
+    fused, _ = fuse_segments(local, mask, g, "fusion", w_max=0.8)
+    assert fused[2].tolist() == pytest.approx([-1.0, 1.0])
+    # a batch that is one silent group: nothing to train, exactly
+    fused, _ = fuse_segments(local[2:3], mask[2:3], g[2:3], "fusion", silent="skip")
+    assert fused.tolist() == [[0.0, 0.0]]
+    with pytest.raises(ValueError, match="silent"):
+        fuse_segments(local, mask, g, "fusion", silent="drop")  # type: ignore[arg-type]
 
 
 def test_unit_rms_ignores_padding():

@@ -254,7 +254,7 @@ async def replay_learner(recorded: Bus, cfg: Config) -> ReplayReport:
         global_adv = [*global_adv, *[math.nan] * len(elite)]  # none: their own trajectories
         work = partial(prepare_batch, policy, [*items, *elite], settings.gamma, settings.lam,
                        global_adv, settings.credit, settings.fusion_max_weight,
-                       settings.mask_failed)
+                       settings.mask_failed, silent_groups=settings.fusion_silent_groups)
         prep = await asyncio.to_thread(_with_threads, update.batch_threads, work)
         report.replayed_outputs += 1
         fields: dict[str, dict[str, Any]] = {}

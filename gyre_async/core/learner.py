@@ -361,7 +361,8 @@ class LearnerCore:
         threads = torch.get_num_threads()  # of the thread this runs on (an executor's)
         prep = prepare_batch(self.policy, items, settings.gamma, settings.lam, global_adv,
                              settings.credit, settings.fusion_max_weight,
-                             bootstrap_failed=settings.mask_failed, with_logprobs=True)
+                             bootstrap_failed=settings.mask_failed, with_logprobs=True,
+                             silent_groups=settings.fusion_silent_groups)
         ids = [it.scored.segment_id for it in items]
         check_batch_finite({sid: {"rewards": it.scored.step_rewards,
                                   "action_logprobs": it.arrays["action_logprobs"]}

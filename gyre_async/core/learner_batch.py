@@ -23,7 +23,7 @@ import torch
 from gyre_async.core.segmenter import segment_contexts, segment_sequence
 from gyre_async.policy.base import EvalOutput
 from gyre_async.rl.advantages import segment_gae
-from gyre_async.rl.fusion import CreditMode, anchored_credit, fuse_segments
+from gyre_async.rl.fusion import CreditMode, SilentGroups, anchored_credit, fuse_segments
 from schemas.events import Scored
 
 
@@ -238,13 +238,16 @@ def anchor_key(task_id: str, context: Sequence[int]) -> bytes:
 def prepare_batch(policy, items: Sequence[BatchItem], gamma: float, lam: float,
                   global_adv: list[float] | None = None, credit: CreditMode = "gae",
                   w_max: float = 0.8, bootstrap_failed: bool = True,
-                  with_logprobs: bool = False) -> PreparedBatch:
+                  with_logprobs: bool = False,
+                  silent_groups: SilentGroups = "local") -> PreparedBatch:
     """Values under ``policy``, GAE inside each segment bootstrapped at its boundary, fused
     with the per-segment global outcome advantage (``global_adv``, NaN: unknown; see
     ``gyre_async.rl.fusion``). ``bootstrap_failed`` (``learner.mask_failed``): a failed
     episode's last segment always bootstraps (:meth:`BatchItem.bootstrap_context`).
     ``with_logprobs``: keep the actions' log-probs that the values' forward pass yields
     (the learner's proximal policy), so the update needs no second pass over the batch.
+    ``silent_groups`` (``learner.fusion_silent_groups``): what fusion does where a group's
+    returns were all equal (:func:`gyre_async.rl.fusion.fuse_segments`).
 
     Pure given the policy weights and the segments: ``gyre replay learner`` calls it with
     the parent checkpoint to re-derive exactly the advantages each update used.
@@ -307,7 +310,8 @@ def prepare_batch(policy, items: Sequence[BatchItem], gamma: float, lam: float,
                    for it, a, b in zip(items, starts[:-1], starts[1:])]
         fused2d, weights, anchored_steps = anchored_credit(mc2d, mask, anchors, outcome)
     else:
-        fused2d, weights = fuse_segments(adv2d, mask, outcome, credit, w_max)
+        fused2d, weights = fuse_segments(adv2d, mask, outcome, credit, w_max,
+                                         silent=silent_groups)
     k_index, t_index = torch.tensor(seg_of_step), torch.tensor(step_in_seg)
     return PreparedBatch(contexts, actions, behaviour, rewards, values,
                          fused2d[k_index, t_index], ret2d[k_index, t_index],

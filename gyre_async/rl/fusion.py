@@ -30,6 +30,15 @@ segment, the outcome leads (``w -> w_max``); where the group's outcomes are all 
 (``w = 0``). The within-segment ranking of steps always comes from ``L`` (scaled by
 ``1 - w >= 1 - w_max``).
 
+Silent groups (``silent="skip"``, ``learner.fusion_silent_groups``): where a trajectory's
+outcome is known and ``g = 0`` exactly, every member of its group had the same return
+(milestone pay included), so nothing ranks its plays; what ``L`` says there is the critic's
+error, and unit scaling makes that error as large as a real signal. On Simon Says a group of
+8 plays that all won every milestone trained on that alone, with approx KLs of 0.02-0.1 an
+update. ``"skip"`` gives such segments no advantage (as GRPO gives them) and leaves them out
+of ``s``; ``"local"`` (the default) keeps the local signal alone there, as above. A segment
+whose outcome is not known yet keeps its local signal in both.
+
 Timing (the learner trains on segments as they arrive): a segment trained before its
 trajectory ended gets ``w = 0`` (local only); the global part reaches the segments that are
 still unused when the outcome becomes known, i.e. those in the batch that holds the
@@ -70,6 +79,7 @@ import torch
 from gyre_async.rl.advantages import fuse_advantages, fusion_weight, group_outcome_advantage
 
 CreditMode = Literal["fusion", "gae", "outcome", "anchored"]
+SilentGroups = Literal["local", "skip"]
 
 #: credit modes whose advantages never read the critic's values: their value head still
 #: learns (its readings stay comparable), but on the policy's features detached, since a
@@ -91,13 +101,15 @@ def fuse_segments(
     mode: CreditMode = "fusion",
     w_max: float = 0.8,
     eps: float = 1e-8,
+    silent: SilentGroups = "local",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-step advantages [S, T] and per-segment fusion weights [S] (see module docstring).
 
     ``local`` [S, T] raw segment GAE; ``mask`` [S, T]; ``global_adv`` [S], NaN where the
     trajectory's outcome is not known. ``mode="gae"`` returns ``local`` unchanged with
     ``w = 0``; ``mode="outcome"`` returns ``g`` on every real step (0 where unknown) with
-    ``w = 1`` where known.
+    ``w = 1`` where known. ``silent`` (fusion only): ``"skip"`` gives the segments of silent
+    groups (outcome known, ``g = 0``) no advantage.
     """
     fm = mask.to(local.dtype)
     g = global_adv.to(local.dtype)
@@ -109,6 +121,10 @@ def fuse_segments(
         return g0.unsqueeze(1) * fm, known.to(local.dtype)
     if mode != "fusion":  # "anchored" needs the steps' anchors: anchored_credit
         raise ValueError(f"credit mode must be fusion, gae or outcome, got {mode!r}")
+    if silent == "skip":
+        mask = mask.bool() & ~(known & (g == 0)).unsqueeze(1)
+    elif silent != "local":
+        raise ValueError(f"silent groups must be 'local' or 'skip', got {silent!r}")
     scaled = unit_rms(local, mask, eps)
     w = fusion_weight(scaled, g, mask, w_max=w_max, eps=eps)
     return fuse_advantages(scaled, g, w, mask), w

@@ -219,6 +219,7 @@ def bench_config(args: argparse.Namespace) -> Config:
                  "advantage_std_floor": args.advantage_std_floor,
                  "value_trunk_gradient": not args.critic_head_only,
                  "clip_critic_apart": args.clip_critic_apart,
+                 "fusion_silent_groups": args.fusion_silent_groups,
                  "micro_steps": args.micro_steps, "entropy_coef": args.entropy_coef,
                  "micro_tokens": args.micro_tokens if args.context == "segment" else 0},
         evaluator={"every_versions": args.eval_every, "greedy": args.decoding == "greedy",
@@ -801,6 +802,10 @@ def parser() -> argparse.ArgumentParser:
                         "head alone, on the policy's features detached, so the critic's errors "
                         "never move the LoRA the policy acts with (--long-task simon: on; "
                         "--no-critic-head-only shares the LoRA with the critic)")
+    p.add_argument("--fusion-silent-groups", choices=("local", "skip"), default="local",
+                   help="learner.fusion_silent_groups: where a group's plays all had the same "
+                        "return, train on the critic's local signal alone (local) or not at "
+                        "all (skip, as outcome credit does)")
     p.add_argument("--clip-critic-apart", action="store_true",
                    help="learner.clip_critic_apart (with --critic-head-only): clip the value "
                         "head's gradient and the policy's each on its own, not together")

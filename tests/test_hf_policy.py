@@ -149,3 +149,38 @@ def test_chat_models_read_the_valid_commands_after_the_games_text(policy):
     newline = tok.encode("\n")
     assert len(newline) == 1 and newline[0] in tok.stop_ids and tok.eos_id in tok.stop_ids
     assert tok.encode("take")[0] not in tok.stop_ids
+
+
+def test_the_cache_is_passed_by_the_name_the_decoder_takes():
+    """transformers renamed the decoder's cache argument (and its output field) from
+    ``past_key_values`` to ``cache``; the policy reads which one the installed version takes
+    from the signature, so the same code runs across the pinned range without the warning."""
+    from gyre_async.policy.hf_policy import _cache_argument
+
+    class Old:
+        def forward(self, input_ids=None, past_key_values=None, use_cache=None):
+            return None
+
+    class New:
+        def forward(self, input_ids=None, cache=None, use_cache=None):
+            return None
+
+    assert _cache_argument(Old.forward) == "past_key_values"
+    assert _cache_argument(New.forward) == "cache"
+
+
+def test_acting_raises_no_cache_deprecation_warning(policy):
+    """Acting through the kept key/values names the cache the way the installed transformers
+    wants it: no FutureWarning about ``past_key_values`` (a judging logged one per game)."""
+    import warnings
+
+    ids = torch.tensor([[1, 2, 3, 4]])
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        with torch.inference_mode():
+            hidden, cache = policy._forward(ids, mask)
+            more, _ = policy._forward(torch.tensor([[5]]), torch.ones(1, 5, dtype=torch.bool),
+                                      cache)
+    assert hidden.shape[:2] == (1, 4) and more.shape[:2] == (1, 1)
+    assert cache is not None

@@ -32,9 +32,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import json
 import os
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -111,6 +112,15 @@ def _need_transformers() -> Any:
         raise ImportError("the 'hf' policy backend needs transformers: pip install "
                           "'gyre[llm]' (the tiny backend needs nothing extra)") from exc
     return transformers
+
+
+@functools.cache
+def _cache_argument(forward: Callable[..., Any]) -> str:
+    """The name a decoder's ``forward`` takes its key/value cache by, which is also the name
+    of its output's field: ``cache`` in recent transformers 5 releases (5.25 here, where
+    ``past_key_values`` warns and is to go in 5.40), ``past_key_values`` in earlier ones."""
+    params = inspect.signature(forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
 
 
 class HFTokenizer(BaseTokenizer):
@@ -255,10 +265,11 @@ class HFPolicy(CausalLMPolicy):
         # needed, not over a whole context times a 49k vocabulary.
         positions = (mask.long().cumsum(1) - 1).clamp(min=0)[:, mask.shape[1] - ids.shape[1]:]
         use_cache = cache is not None or torch.is_inference_mode_enabled()
-        out = self._model.lm.get_decoder()(
-            input_ids=ids, attention_mask=mask.long(), position_ids=positions,
-            past_key_values=cache, use_cache=use_cache)
-        return out.last_hidden_state, out.past_key_values
+        decoder = self._model.lm.get_decoder()
+        name = _cache_argument(type(decoder).forward)
+        out = decoder(input_ids=ids, attention_mask=mask.long(), position_ids=positions,
+                      use_cache=use_cache, **{name: cache})
+        return out.last_hidden_state, getattr(out, name)
 
     def _forward_right_padded(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """No attention mask at all, only the causal one (the padding is after every real

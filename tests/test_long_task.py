@@ -107,6 +107,17 @@ def test_a_switch_given_off_wins_over_the_preset():
     assert (cfg.run.mode, cfg.sampler.group_size) == ("async", 1)
 
 
+def test_the_acting_temperature_moves_the_training_plays_alone():
+    """``--acting-temperature`` sets the sampler's temperature; validation, and with it the
+    held-out judging that reads the run's evaluator, keeps ``--temperature``."""
+    bench = load_script("ops/bench/llm.py")
+    cfg = bench.bench_config(bench.parse_args(["--long-task", "simon", "--acting-temperature",
+                                               "1.0", "--out", "x"]))
+    assert (cfg.sampler.temperature, cfg.evaluator.temperature) == (1.0, 0.7)
+    plain = bench.bench_config(bench.parse_args(["--long-task", "simon", "--out", "x"]))
+    assert (plain.sampler.temperature, plain.evaluator.temperature) == (0.7, 0.7)
+
+
 def test_the_judge_engine_follows_the_sampler_unless_given():
     bench = load_script("ops/bench/llm.py")
     p = bench.parser()

@@ -208,7 +208,8 @@ def bench_config(args: argparse.Namespace) -> Config:
                 "max_action_tokens": args.max_action_tokens, "draft_tokens": args.draft_tokens,
                 "lora": {"rank": args.lora_rank, "alpha": 2.0 * args.lora_rank},
                 "vllm_lora": args.vllm_lora},
-        sampler={"num_envs": args.num_envs, "temperature": args.temperature,
+        sampler={"num_envs": args.num_envs,
+                 "temperature": args.acting_temperature or args.temperature,
                  "group_size": args.group_size, "step_timeout_s": 300.0},
         segmenter={"max_segment_steps": args.max_segment_steps or args.max_steps,
                    "milestone_min_steps": args.milestone_min_steps,
@@ -745,6 +746,10 @@ def parser() -> argparse.ArgumentParser:
                         "model repeats one command: 0 of 8 games)")
     p.add_argument("--temperature", type=float, default=TEMPERATURE,
                    help="sampling temperature of acting and of (sampled) validation")
+    p.add_argument("--acting-temperature", type=float, default=None,
+                   help="sampler.temperature alone: the training plays' temperature, with "
+                        "validation (and llm_heldout.py's judging) still at --temperature "
+                        "(default: --temperature)")
     p.add_argument("--warmstart-demos", type=int, default=64,
                    help="(b): training games whose walkthroughs are cloned before RL (0: RL "
                         "from the base model)")

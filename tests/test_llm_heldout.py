@@ -179,6 +179,11 @@ def test_a_play_is_kept_by_its_weights_and_game_settings(heldout, tmp_path):
                   loop=s(test.loop, max_wall_s=1.0),
                   learner=s(test.learner, learning_rate=1.0))
     assert heldout.PlayBook.key(other_run, "torch", "base") == key
+    # nor do the training plays' temperature and group size; the sampler's batching wait does
+    hotter = s(test, sampler=s(test.sampler, temperature=1.0, group_size=8, num_envs=3))
+    assert heldout.PlayBook.key(hotter, "torch", "base") == key
+    assert heldout.PlayBook.key(s(test, sampler=s(test.sampler, batch_wait_s=0.5)), "torch",
+                                "base") != key
     # the weights, the split, the games, the seed, the decoding and the engine do
     assert len({key, heldout.PlayBook.key(test, "torch", "ab12"),
                 heldout.PlayBook.key(heldout.split_config(cfg, "dev", 8, "torch"), "torch",

@@ -91,6 +91,10 @@ def chosen_for_selection(versions: list[PolicyVersion], every: int) -> list[Poli
     return picked
 
 
+#: the sampler settings a validation play reads (gyre_async/core/evaluation.py)
+PLAY_SAMPLER_FIELDS = ("batch_wait_s", "step_timeout_s")
+
+
 class PlayBook:
     """Finished plays, one JSON line each, so that no play is paid for twice (see the module
     docstring). A line names its key; a line that does not parse (a write cut short) is
@@ -112,10 +116,12 @@ class PlayBook:
     def key(cfg: Config, engine: str, weights: str) -> str:
         """What decides a play's games and actions: the weights (``weights``: a checkpoint's
         sha256, or ``base``) and every config section that shapes an episode; the run's
-        name, directory, budget and learner settings are left out."""
+        name, directory, budget and learner settings are left out, and of the sampler's only
+        what a validation play reads (its batching wait and step timeout: the training plays'
+        temperature or group size do not change a judged game)."""
         shaping = {name: msgspec.to_builtins(getattr(cfg, name))
-                   for name in ("policy", "task", "evaluator", "segmenter", "sampler",
-                                "macros")}
+                   for name in ("policy", "task", "evaluator", "segmenter", "macros")}
+        shaping["sampler"] = {name: getattr(cfg.sampler, name) for name in PLAY_SAMPLER_FIELDS}
         shaping.update(seed=cfg.run.seed, engine=engine, weights=weights)
         return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()
 

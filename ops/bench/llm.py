@@ -209,7 +209,8 @@ def bench_config(args: argparse.Namespace) -> Config:
                 "lora": {"rank": args.lora_rank, "alpha": 2.0 * args.lora_rank},
                 "vllm_lora": args.vllm_lora},
         sampler={"num_envs": args.num_envs,
-                 "temperature": args.acting_temperature or args.temperature,
+                 "temperature": (args.temperature if args.acting_temperature is None
+                                 else args.acting_temperature),
                  "group_size": args.group_size, "step_timeout_s": 300.0},
         segmenter={"max_segment_steps": args.max_segment_steps or args.max_steps,
                    "milestone_min_steps": args.milestone_min_steps,

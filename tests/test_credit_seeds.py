@@ -9,6 +9,7 @@ the gap between modes is the difference of those means. Checked on judgings shap
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 from conftest import load_script
@@ -66,3 +67,23 @@ def test_the_script_reads_judgings_draws_the_plot_and_explains_a_bad_flag(tmp_pa
     with pytest.raises(SystemExit):
         seeds.main(["--run", f"fusion:1={tmp_path / 'missing.json'}"])
     assert "llm_heldout.py" in capsys.readouterr().err
+
+
+def test_modes_sharing_a_seed_are_set_head_to_head_on_their_chosen_versions():
+    """The same seed's chosen versions against each other, no start in between; a seed only
+    one mode has, or judged on other test games, is left out."""
+    runs = [("fusion", "2", judging(31, 10, 45, 12, [(0, 0.47), (12, 0.53)])),
+            ("fusion", "3", judging(34, 10, 43, 18, [(0, 0.38), (18, 0.53)])),
+            ("fusion", "4", judging(30, 10, 40, 6, [(0, 0.4), (6, 0.5)], n=64)),
+            ("outcome", "2", judging(33, 10, 41, 12, [(0, 0.41), (12, 0.47)])),
+            ("outcome", "3", judging(32, 10, 25, 24, [(0, 0.53), (24, 0.41)])),
+            ("outcome", "4", judging(30, 10, 40, 6, [(0, 0.4), (6, 0.5)]))]
+    h2h = seeds.summarise(runs)["head_to_head"]
+    assert list(h2h) == ["fusion vs outcome"]
+    pair = h2h["fusion vs outcome"]
+    assert set(pair) == {"2", "3"}  # seed 4: 64 test games against 96
+    assert pair["2"]["wins"] == [45, 41] and pair["3"]["wins"] == [43, 25]
+    # pooled z by hand: seed 3, (43 - 25) / 96 over sqrt(p(1-p) 2/96) with p = 68/192
+    z = (18 / 96) / (68 / 192 * (1 - 68 / 192) * 2 / 96) ** 0.5
+    assert pair["3"]["p_a_above_b"] == pytest.approx(0.5 * math.erfc(z / math.sqrt(2)), rel=0.05)
+    assert pair["3"]["p_a_above_b"] < 0.01 < 0.2 < pair["2"]["p_a_above_b"] < 0.5

@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import importlib.util
 import json
+import math
 import os
 import shlex
 import statistics
@@ -37,8 +38,8 @@ from schemas.config import Config
 
 __all__ = ["CONFIGS", "QUICKSTART", "ROOT", "TINY", "SideBySide", "alternate",
            "alternate_async", "config_data", "finished_summary", "make_config", "memory_kb",
-           "ops_script", "print_result", "run_summary", "scratch_dir", "wilson_interval",
-           "write_config"]
+           "ops_script", "print_result", "run_summary", "scratch_dir", "two_proportion_p",
+           "wilson_interval", "write_config"]
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "ops" / "configs"
@@ -46,6 +47,18 @@ QUICKSTART = CONFIGS / "quickstart.toml"
 TINY = CONFIGS / "tiny.toml"
 
 Base = str | os.PathLike | Config | dict | None
+
+
+# --- statistics -----------------------------------------------------------------------------
+
+def two_proportion_p(a: int, b: int, n: int) -> float:
+    """One-sided p-value of 'b/n > a/n' (pooled two-proportion z-test; the games are the
+    same, so this ignores their pairing and is conservative when outcomes correlate)."""
+    pooled = (a + b) / (2 * n)
+    if pooled in (0.0, 1.0):
+        return 1.0 if b <= a else 0.0
+    z = (b - a) / n / math.sqrt(pooled * (1 - pooled) * 2 / n)
+    return 0.5 * math.erfc(z / math.sqrt(2))
 
 
 # --- configs --------------------------------------------------------------------------------

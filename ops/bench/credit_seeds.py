@@ -8,7 +8,10 @@ mode the gain of each seed's chosen version over its own start (``best_minus_sta
 ``best - base`` when version 0 is the base model), their mean, and the gap between modes;
 and draws the curves the issue asks for: dev-game success per policy version, one line per
 run, coloured by credit mode, each run's start as a dotted line, and the test-game gains per
-seed beside them.
+seed beside them. Where two modes share a seed (the same test games), ``head_to_head``
+sets their chosen versions against each other directly, with no start in between: each
+judging draws its start's plays afresh, and those differ by a few wins from one judging to
+the next.
 
     python ops/bench/credit_seeds.py --run fusion:1=runs/a/heldout.json \\
         --run fusion:2=runs/b/heldout.json --run outcome:1=runs/c/heldout.json \\
@@ -16,7 +19,8 @@ seed beside them.
 
 Last line, one JSON object:
 {"bench": "credit_seeds", "credits": {CREDIT: {"gains": {SEED: x}, "mean_gain": x,
- "seeds": n, "chosen_test_wins": {SEED: w}, ...}}, "gaps": {"A - B": x}, "png": path}
+ "seeds": n, "chosen_test_wins": {SEED: w}, ...}}, "gaps": {"A - B": x},
+ "head_to_head": {"A vs B": {SEED: {"wins": [a, b], "p_a_above_b": p}}}, "png": path}
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import json
 import statistics
 import sys
 
-from _common import print_result
+from _common import print_result, two_proportion_p
 
 COLOURS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown")
 
@@ -72,7 +76,27 @@ def summarise(runs: list[tuple[str, str, dict]]) -> dict:
         c["mean_gain"] = round(statistics.fmean(c["gains"].values()), 4)
     gaps = {f"{a} - {b}": round(credits[a]["mean_gain"] - credits[b]["mean_gain"], 4)
             for a, b in itertools.permutations(credits, 2)}
-    return {"bench": "credit_seeds", "credits": credits, "gaps": gaps}
+    return {"bench": "credit_seeds", "credits": credits, "gaps": gaps,
+            "head_to_head": head_to_head(credits)}
+
+
+def head_to_head(credits: dict[str, dict]) -> dict[str, dict]:
+    """For each pair of modes (in the order given) and each seed both judged on as many test
+    games: the chosen versions' test wins, and the one-sided p that the first mode's is the
+    higher success (``llm_heldout.py``'s test)."""
+    pairs: dict[str, dict] = {}
+    for a, b in itertools.combinations(credits, 2):
+        ca, cb = credits[a], credits[b]
+        shared = {}
+        for seed, n in ca["test_episodes"].items():
+            if cb["test_episodes"].get(seed) != n:
+                continue
+            wa, wb = ca["chosen_test_wins"][seed], cb["chosen_test_wins"][seed]
+            shared[seed] = {"wins": [wa, wb],
+                            "p_a_above_b": float(f"{two_proportion_p(wb, wa, n):.2g}")}
+        if shared:
+            pairs[f"{a} vs {b}"] = shared
+    return pairs
 
 
 def plot(runs: list[tuple[str, str, dict]], summary: dict, path: str, title: str) -> None:

@@ -42,12 +42,11 @@ import argparse
 import asyncio
 import hashlib
 import json
-import math
 import os
 import time
 
 import msgspec
-from _common import make_config, print_result
+from _common import make_config, print_result, two_proportion_p
 from _common import wilson_interval as wilson
 
 from gyre_async.bus import open_bus
@@ -59,16 +58,6 @@ from gyre_async.policy.context import ContextBuilder
 from schemas.config import Config
 from schemas.events import PolicyVersion
 from schemas.topics import POLICY_VERSION
-
-
-def two_proportion_p(a: int, b: int, n: int) -> float:
-    """One-sided p-value of 'b/n > a/n' (pooled two-proportion z-test; the games are the
-    same, so this ignores their pairing and is conservative when outcomes correlate)."""
-    pooled = (a + b) / (2 * n)
-    if pooled in (0.0, 1.0):
-        return 1.0 if b <= a else 0.0
-    z = (b - a) / n / math.sqrt(pooled * (1 - pooled) * 2 / n)
-    return 0.5 * math.erfc(z / math.sqrt(2))
 
 
 async def published_versions(run_dir: str, run_id: str) -> list[PolicyVersion]:
